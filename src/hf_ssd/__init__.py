@@ -1,0 +1,12 @@
+"""hf_ssd: exact Speculative Speculative Decoding (Saguaro) for transformers.
+
+Importing hf_ssd enables `model.generate(..., assistant_model=draft, ssd=True)` for every transformers model;
+`hf_ssd.disable()` restores the stock generate(), `hf_ssd.enable(model)` enables one model only.
+"""
+from .config import SSDConfig
+from .integration import SSDGenerateOutput, disable, enable, is_enabled, last_stats
+
+__all__ = ["SSDConfig", "SSDGenerateOutput", "enable", "disable", "is_enabled", "last_stats"]
+__version__ = "0.1.0"
+
+enable()

@@ -1,0 +1,140 @@
+"""SSDConfig: every option of SSD decoding, validated once, serialisable to JSON."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+CONFIG_NAME = "ssd_config.json"
+CONFIG_VERSION = 1
+
+MODES = ("ssd", "sync")
+BACKUPS = ("auto", "jit", "ngram")
+WORKERS = ("auto", "inline", "thread", "process")
+
+
+@dataclass
+class SSDConfig:
+    """Options of `generate(..., ssd=True)`; each is also accepted as an `ssd_<name>` keyword argument.
+
+    `mode="sync"` is plain (synchronous) speculative decoding, the exact fallback; `mode="ssd"` is Saguaro.
+    """
+
+    mode: str = "ssd"
+    num_draft_tokens: int = 4  # K: drafts verified per round
+    budget: int | None = None  # branches per row in the speculation cache; None = measured at start-up
+    fanout: list[int] | None = None  # explicit F_0..F_K after a hit (overrides the geometric schedule)
+    fanout_after_miss: list[int] | None = None  # explicit F_0..F_K after a miss
+    alpha: float | None = None  # fixed acceptance rate for the fan-out (None = estimated online)
+    power_r: float | None = None  # fixed power-law exponent r of the miss rate (None = estimated online)
+    downweight: float = 1.0  # Saguaro sampling constant C in [0, 1]; 1 = plain sampling
+    backup: str = "auto"  # on a cache miss: "jit" neural draft, "ngram" prompt lookup, "auto" = by batch size
+    backup_batch_threshold: int | None = None  # b*: batch size from which the fast backup is used (None = computed)
+    ngram_max: int = 3  # longest n-gram the prompt-lookup backup matches
+    draft_temperature: float | None = None  # draft-only temperature (exact: the verifier uses the same q)
+    worker: str = "auto"  # where the draft runs: inline, thread, process
+    draft_device: str | None = None  # device for the draft (default: where the draft model already is)
+    draft_threads: int | None = None  # torch intra-op threads for the draft side (CPU)
+    target_threads: int | None = None  # torch intra-op threads for the target side (CPU)
+    version: int = CONFIG_VERSION
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ---- validation -------------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"ssd_{name}={getattr(self, name)!r} is invalid: {why}")
+
+        if self.mode not in MODES:
+            raise bad("mode", f"choose one of {MODES}")
+        if not isinstance(self.num_draft_tokens, int) or not 1 <= self.num_draft_tokens <= 64:
+            raise bad("num_draft_tokens", "use an integer between 1 and 64")
+        if self.budget is not None and (not isinstance(self.budget, int) or self.budget < 1):
+            raise bad("budget", "use a positive integer (branches per row) or None to measure it")
+        for name in ("fanout", "fanout_after_miss"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if len(value) != self.num_draft_tokens + 1 or any(not isinstance(f, int) or f < 0 for f in value):
+                raise bad(name, f"give num_draft_tokens+1 = {self.num_draft_tokens + 1} non-negative integers")
+        if self.alpha is not None and not 0.0 < self.alpha < 1.0:
+            raise bad("alpha", "use a float strictly between 0 and 1, or None to estimate it")
+        if self.power_r is not None and not self.power_r > 0.0:
+            raise bad("power_r", "use a positive float, or None to estimate it")
+        if not 0.0 <= float(self.downweight) <= 1.0:
+            raise bad("downweight", "Saguaro's C must lie in [0, 1] (1 = plain sampling)")
+        if self.backup not in BACKUPS:
+            raise bad("backup", f"choose one of {BACKUPS}")
+        if self.backup_batch_threshold is not None and self.backup_batch_threshold < 1:
+            raise bad("backup_batch_threshold", "use a positive integer or None")
+        if not isinstance(self.ngram_max, int) or self.ngram_max < 1:
+            raise bad("ngram_max", "use a positive integer")
+        if self.draft_temperature is not None and not self.draft_temperature > 0.0:
+            raise bad("draft_temperature", "use a positive float (greedy drafting: leave it None with do_sample=False)")
+        if self.worker not in WORKERS:
+            raise bad("worker", f"choose one of {WORKERS}")
+        for name in ("draft_threads", "target_threads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise bad(name, "use a positive integer")
+        if self.version > CONFIG_VERSION:
+            raise bad("version", f"this hf_ssd reads config versions <= {CONFIG_VERSION}; upgrade hf_ssd")
+
+    # ---- construction from kwargs / dicts ----------------------------------------------------------------------
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SSDConfig:
+        data = dict(data)
+        version = data.get("version", CONFIG_VERSION)
+        if not isinstance(version, int) or version < 1:
+            raise ValueError(f"SSD config version {version!r} is not valid; expected an integer >= 1")
+        unknown = set(data) - cls.field_names()
+        if unknown:
+            raise ValueError(f"unknown SSD config keys {sorted(unknown)}; valid keys: {sorted(cls.field_names())}")
+        return cls(**data)
+
+    def updated(self, **overrides: Any) -> SSDConfig:
+        return SSDConfig.from_dict({**self.to_dict(), **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ---- files --------------------------------------------------------------------------------------------------
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> str:
+        os.makedirs(save_directory, exist_ok=True)
+        path = os.path.join(save_directory, CONFIG_NAME)
+        with open(path, "w") as f:
+            f.write(self.to_json_string())
+        return path
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike) -> SSDConfig:
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+def config_from_kwargs(base: SSDConfig | dict | None, kwargs: dict[str, Any]) -> SSDConfig:
+    """Pop every `ssd_*` keyword from `kwargs` and merge it over `base`; unknown names are an error."""
+    overrides = {}
+    for key in [k for k in kwargs if k.startswith("ssd_")]:
+        name = key[len("ssd_"):]
+        if name not in SSDConfig.field_names() or name == "version":
+            valid = ", ".join(f"ssd_{n}" for n in sorted(SSDConfig.field_names() - {"version"}))
+            raise TypeError(f"generate() got an unknown SSD option `{key}`; valid options: {valid}")
+        overrides[name] = kwargs.pop(key)
+    if base is None:
+        base = SSDConfig()
+    elif isinstance(base, dict):
+        base = SSDConfig.from_dict(base)
+    elif not isinstance(base, SSDConfig):
+        raise TypeError(f"ssd_config must be an SSDConfig or a dict, got {type(base).__name__}")
+    return base.updated(**overrides) if overrides else base

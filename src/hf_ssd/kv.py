@@ -1,0 +1,145 @@
+"""A model plus its KV cache, addressed by slots that may hold holes.
+
+Rows of a batch accept different numbers of tokens per round, and tree drafting appends scratch branches that
+are dropped later. Rather than moving KV around, every slot keeps a validity bit and the logical position of its
+token; each forward gets an explicit 4D mask built from them (and from the sliding window, in logical positions),
+so holes, left padding and per-row lengths never change what a token attends to. Trailing slots no row needs
+are cropped; rows that finished are dropped from the batch.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def input_device(model: PreTrainedModel) -> torch.device:
+    """Where inputs go: the input embeddings' device (model.device can be `meta` under offload)."""
+    return model.get_input_embeddings().weight.device
+
+
+def attention_layout(model: PreTrainedModel) -> tuple[list[str] | None, int | None]:
+    """(layer types if the model mixes full and sliding layers, sliding window applied to all others)."""
+    text = model.config.get_text_config()
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if types is not None:
+        unknown = sorted(set(types) - set(ATTENTION_LAYER_TYPES))
+        if unknown:
+            raise ValueError(
+                f"{type(model).__name__} has layers of type {unknown}, whose state cannot be rolled back after a "
+                "rejected draft; ssd=True supports attention layers (full or sliding window) only."
+            )
+        if "sliding_attention" not in types or not window:
+            return None, None
+        if "full_attention" in types:
+            return list(types), window
+        return None, window
+    return None, window if isinstance(window, int) and window > 0 else None
+
+
+class CachedModel:
+    def __init__(self, model: PreTrainedModel, batch_size: int):
+        self.model = model
+        self.device = input_device(model)
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self.layer_types, self.window = attention_layout(model)
+        self.cache = DynamicCache()  # full (never windowed) layers: crop always works; windows live in our masks
+        self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device)
+        self.pos = torch.zeros(batch_size, 0, dtype=torch.long, device=self.device)
+        self.forwards = 0
+
+    @property
+    def length(self) -> int:
+        return self.valid.shape[1]
+
+    def default_attend(self, new_valid: torch.Tensor) -> torch.Tensor:
+        """Past valid slots plus causal attention among the new tokens: [B, n, L+n] bool."""
+        B, n = new_valid.shape
+        causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        past = self.valid[:, None, :].expand(B, n, self.length)
+        return torch.cat([past, causal[None] & new_valid[:, None, :]], dim=2)
+
+    def _mask(self, attend: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+        key_pos = torch.cat([self.pos, positions], dim=1)
+        allowed = attend.clone()
+        if window is not None:
+            allowed &= (positions[:, :, None] - key_pos[:, None, :]) < window
+        # Every query sees at least itself, so padded queries never produce NaNs.
+        n = positions.shape[1]
+        allowed[:, :, self.length:] |= torch.eye(n, dtype=torch.bool, device=self.device)[None]
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[:, None]
+
+    @torch.no_grad()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        new_valid: torch.Tensor | None = None,
+        attend: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run `tokens` [B, n] at logical `positions`, append their KV, return float32 logits [B, n, V].
+
+        attend: [B, n, L+n] bool, which slots (old and new) each new token may see; default `default_attend`.
+        """
+        tokens, positions = tokens.to(self.device), positions.to(self.device)
+        if self.length == 0 and self.valid.shape[0] != tokens.shape[0]:  # an empty cache takes any batch size
+            self.valid = self.valid.new_zeros(tokens.shape[0], 0)
+            self.pos = self.pos.new_zeros(tokens.shape[0], 0)
+        if new_valid is None:
+            new_valid = torch.ones_like(tokens, dtype=torch.bool)
+        new_valid = new_valid.to(self.device)
+        if attend is None:
+            attend = self.default_attend(new_valid)
+        if self.layer_types is not None:
+            mask = {
+                "full_attention": self._mask(attend, positions, None),
+                "sliding_attention": self._mask(attend, positions, self.window),
+            }
+        else:
+            mask = self._mask(attend, positions, self.window)
+        out = self.model(
+            input_ids=tokens, position_ids=positions, attention_mask=mask, past_key_values=self.cache, use_cache=True
+        )
+        self.valid = torch.cat([self.valid, new_valid], dim=1)
+        self.pos = torch.cat([self.pos, positions], dim=1)
+        self.forwards += 1
+        return out.logits.float()
+
+    def invalidate(self, start: torch.Tensor, stop: int | None = None) -> None:
+        """Mark slots start[b] .. stop (default: the end) of each row as holes."""
+        slots = torch.arange(self.length, device=self.device)[None, :]
+        drop = slots >= start.to(self.device)[:, None]
+        if stop is not None:
+            drop &= slots < stop
+        self.valid &= ~drop
+
+    def trim(self) -> None:
+        """Crop trailing slots that no row still uses."""
+        used = self.valid.any(dim=0).nonzero()
+        keep = int(used.max().item()) + 1 if used.numel() else 0
+        self.crop_to(keep)
+
+    def crop_to(self, length: int) -> None:
+        if length < self.length:
+            self.cache.crop(length - self.length)
+            self.valid = self.valid[:, :length]
+            self.pos = self.pos[:, :length]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        rows = rows.to(self.device)
+        if rows.numel() == self.valid.shape[0]:  # every row stays (rows are kept in order)
+            self.trim()
+            return
+        self.cache.batch_select_indices(rows)
+        self.valid = self.valid[rows]
+        self.pos = self.pos[rows]
+        self.trim()
+
+    def next_position(self) -> torch.Tensor:
+        """[B] logical position of the next token of each row (one past its last valid slot)."""
+        if self.length == 0:
+            return torch.zeros(self.valid.shape[0], dtype=torch.long, device=self.device)
+        return torch.where(self.valid, self.pos + 1, torch.zeros_like(self.pos)).amax(dim=1)

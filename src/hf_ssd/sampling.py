@@ -1,0 +1,38 @@
+"""Drawing tokens, and the distributions drafts are drawn from: plain, point mass, and Saguaro's sigma_{F,C}."""
+from __future__ import annotations
+
+import torch
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of a [..., V] probability tensor."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def point_mass(tokens: torch.Tensor, vocab_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q for a deterministic proposal: one-hot on the proposed token."""
+    q = torch.zeros(*tokens.shape, vocab_size, dtype=dtype, device=tokens.device)
+    return q.scatter_(-1, tokens[..., None], 1.0)
+
+
+def saguaro_probs(scores: torch.Tensor, fanout: torch.Tensor | int, downweight: float) -> torch.Tensor:
+    """sigma_{F,C}: softmax of the processed scores with the top-F tokens' mass multiplied by C, renormalised.
+
+    scores: [..., V]; fanout: F per row (broadcast over the leading dims) or an int. C = 1 is plain softmax.
+    Tokens masked to -inf by warpers stay at probability 0.
+    """
+    probs = torch.softmax(scores.float(), dim=-1)
+    if downweight >= 1.0:
+        return probs
+    F = torch.as_tensor(fanout, device=scores.device).expand(scores.shape[:-1])
+    f_max = int(F.max().item()) if F.numel() else 0
+    if f_max == 0:
+        return probs
+    top = probs.topk(min(f_max, probs.shape[-1]), dim=-1).indices  # [..., f_max]
+    use = torch.arange(top.shape[-1], device=scores.device) < F[..., None]
+    weights = torch.ones_like(probs).scatter_(-1, top, torch.where(use, downweight, 1.0).to(probs.dtype))
+    weighted = probs * weights
+    total = weighted.sum(dim=-1, keepdim=True)
+    # C = 0 with all mass in the top-F leaves nothing: then sigma is undefined; keep plain softmax there.
+    return torch.where(total > 0, weighted / total.clamp_min(torch.finfo(probs.dtype).tiny), probs)

@@ -1,0 +1,95 @@
+"""Synchronous speculative decoding's draft side: K autoregressive draft steps after every verification.
+
+It is the baseline SSD must beat and the exact path SSD falls back to when its own draft side fails.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .draft import DraftModel, Speculation
+from .stats import SSDStats
+from .verify import Outcome
+
+
+class SyncDrafter:
+    kind = "sync"
+
+    def __init__(self, draft: DraftModel, K: int, stats: SSDStats):
+        self.draft, self.K, self.stats = draft, K, stats
+
+    def _draft(self, pending: torch.Tensor, pending_valid: torch.Tensor) -> Speculation:
+        t0 = self.stats.now()
+        self.first_draft_slot = self.draft.kv.length + pending.shape[1]
+        self.spec = self.draft.jit(pending, pending_valid, self.K)
+        self.draft_span = (t0, self.stats.now())
+        return self.spec
+
+    def start(self, prompt: torch.Tensor, mask: torch.Tensor) -> Speculation:
+        self.draft.prefill(prompt, mask)
+        last = prompt[:, -1:].to(self.draft.kv.device)
+        return self._draft(last, torch.ones_like(last, dtype=torch.bool))
+
+    def begin(self, spec: Speculation) -> None:
+        pass
+
+    def resolve(self, outcome: Outcome, keep: torch.Tensor, contexts: list[torch.Tensor]) -> Speculation:
+        kv, K = self.draft.kv, self.K
+        k = outcome.accepted.to(kv.device)
+        # The cache holds pending + d_1..d_{K-1}; keep the accepted drafts among them.
+        kv.invalidate(self.first_draft_slot + k.clamp_max(K - 1))
+        full = k == K  # d_K was accepted but never fed: it goes in front of the bonus
+        d_last = self.spec.tokens[:, -1].to(kv.device)
+        pending = torch.stack([d_last, outcome.bonus.to(kv.device)], dim=1)
+        pending_valid = torch.stack([full, torch.ones_like(full)], dim=1)
+        rows = keep.nonzero().squeeze(1).to(kv.device)
+        kv.select_rows(rows)
+        return self._draft(pending[rows], pending_valid[rows])
+
+    def close(self) -> None:
+        pass
+
+    def restart(self, seqs: list[torch.Tensor], masks: list[torch.Tensor]) -> Speculation:
+        """Start over on committed sequences (after another draft side failed)."""
+        prompt, mask = left_pad(seqs, masks)
+        return self.start(prompt, mask)
+
+
+class NullDrafter:
+    """Proposes nothing: every round is one plain target step. The last resort when the draft model itself fails."""
+
+    kind = "none"
+
+    def __init__(self, K: int, device: torch.device):
+        self.K, self.device = K, device
+
+    def _empty(self, batch: int) -> Speculation:
+        zeros = torch.zeros(batch, dtype=torch.long, device=self.device)
+        return Speculation(torch.zeros(batch, self.K, dtype=torch.long, device=self.device), zeros, None, zeros)
+
+    def start(self, prompt: torch.Tensor, mask: torch.Tensor) -> Speculation:
+        return self._empty(prompt.shape[0])
+
+    def restart(self, seqs: list[torch.Tensor], masks: list[torch.Tensor]) -> Speculation:
+        return self._empty(len(seqs))
+
+    def begin(self, spec: Speculation) -> None:
+        pass
+
+    def resolve(self, outcome: Outcome, keep: torch.Tensor, contexts: list[torch.Tensor]) -> Speculation:
+        return self._empty(int(keep.sum()))
+
+    def close(self) -> None:
+        pass
+
+
+def left_pad(seqs: list[torch.Tensor], masks: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack 1D rows of different lengths into a left-padded batch and its attention mask."""
+    L = max(s.shape[0] for s in seqs)
+    ids = torch.full((len(seqs), L), pad, dtype=torch.long)
+    mask = torch.zeros(len(seqs), L, dtype=torch.bool)
+    for b, (s, m) in enumerate(zip(seqs, masks)):
+        ids[b, L - s.shape[0]:] = s
+        mask[b, L - s.shape[0]:] = m
+    return ids, mask
