@@ -66,10 +66,14 @@ def run_session(
     target_kv = CachedModel(target, B)
     engine = Engine(target_kv, drafter, processors, stopping, generation_config, stats, generator, streamer, fallback)
     start = time.perf_counter()
+    threads_before = torch.get_num_threads()
+    if config.target_threads is not None:
+        torch.set_num_threads(config.target_threads)
     try:
         rows = engine.run(input_ids.to(target_kv.device), mask.to(target_kv.device))
     finally:
         engine.drafter.close()
+        torch.set_num_threads(threads_before)
     stats.wall_time = time.perf_counter() - start
     stats.draft_forwards = draft_forward_count(engine.drafter, drafter)
     return rows, stats
@@ -78,6 +82,7 @@ def run_session(
 def draft_forward_count(*drafters) -> int:
     seen, total = set(), 0
     for d in drafters:
+        total += getattr(d, "remote_forwards", 0)
         model = getattr(d, "draft", None)
         if model is not None and id(model) not in seen:
             seen.add(id(model))
