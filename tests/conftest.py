@@ -19,6 +19,8 @@ VOCAB = 96
 EOS = VOCAB - 1  # a token the tiny models never reach for in most tests; tests that want EOS pick their own
 PAD = 0
 
+torch.set_num_threads(1)  # tiny models: one intra-op thread is fastest and keeps timings stable on 2 shared cores
+
 COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=32,

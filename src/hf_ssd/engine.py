@@ -66,7 +66,7 @@ class Engine:
         spec = self._draft_call(lambda d: d.start(prompt, mask), rows, seqs)
         while rows.numel() > 0:
             swapped = self._draft_call(lambda d: d.begin(spec), rows, seqs, restart=False) is FAILED
-            outcome, record, scores, logits = self._verify(spec, [seqs[r] for r in rows.tolist()], next_pos)
+            outcome, record, scores, logits = self._verify(spec, [seqs[r] for r in rows.tolist()], next_pos, rows)
             done = self._commit(rows, spec, outcome, seqs, out, scores, logits)
             keep = ~done
             record.rows = rows.numel()
@@ -95,7 +95,7 @@ class Engine:
         return torch.cat([m, torch.ones(seqs[r].shape[0] - m.shape[0], dtype=torch.bool)])
 
     # ---- verify -------------------------------------------------------------------------------------------------
-    def _verify(self, spec: Speculation, prefixes: list[torch.Tensor], next_pos: torch.Tensor):
+    def _verify(self, spec: Speculation, prefixes: list[torch.Tensor], next_pos: torch.Tensor, rows: torch.Tensor):
         record = RoundRecord(verify_start=self.stats.now(), verify_end=0.0)
         K = spec.tokens.shape[1]
         pending = torch.stack([p[-1] for p in prefixes]).to(self.target.device)
@@ -104,7 +104,7 @@ class Engine:
         valid = torch.cat([torch.ones_like(pending[:, None], dtype=torch.bool), draft_slots(spec.n, K).to(block.device)], 1)
         self._block_start = self.target.length
         logits = self.target.forward(block, positions, valid)
-        scores = process_block(self.processors, prefixes, spec.tokens.to(logits.device), logits)
+        scores = process_block(self.processors, prefixes, spec.tokens.to(logits.device), logits, rows)
         if self.greedy:
             outcome = verify_greedy(spec.tokens.to(scores.device), spec.n.to(scores.device), scores)
         else:
@@ -168,29 +168,35 @@ class Engine:
 
     # ---- failures of the draft side -----------------------------------------------------------------------------
     def _draft_call(self, call, rows: torch.Tensor, seqs: list[torch.Tensor], restart: bool = True):
-        """Run a draft-side call. If it raises, warn, switch to the exact fallback drafter and (unless told not to)
-        restart it on the committed tokens. Committed tokens are never lost: they live in `seqs`."""
-        try:
-            return call(self.drafter)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except Exception as exc:  # the draft side is advisory: no failure there may cost target tokens
-            if self.fallback is None:
-                raise
-            reason = f"{type(exc).__name__}: {exc}"
-            warnings.warn(
-                f"hf_ssd: the draft side ({getattr(self.drafter, 'kind', '?')}) failed ({reason}); continuing on "
-                "the exact synchronous path. Generated tokens are kept and the output distribution is unchanged.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            self.stats.fallback_reason = reason
+        """Run a draft-side call. If it raises, warn, switch to the next exact fallback drafter (Saguaro -> sync ->
+        none) and, unless told not to, restart it on the committed tokens. Committed tokens live in `seqs`, so a
+        failure never loses any."""
+        while True:
             try:
-                self.drafter.close()
-            except Exception:
-                pass
-            self.drafter = self.fallback(self.drafter)
-            if not restart:
-                return FAILED
-            active = rows.tolist()
-            return self.drafter.restart([seqs[r] for r in active], [self._row_mask(r, seqs) for r in active])
+                return call(self.drafter)
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except Exception as exc:  # the draft side is advisory: no failure there may cost target tokens
+                if self.fallback is None:
+                    raise
+                self._switch(exc)
+                if not restart:
+                    return FAILED
+                active = rows.tolist()
+                row_seqs, row_masks = [seqs[r] for r in active], [self._row_mask(r, seqs) for r in active]
+                call = lambda d: d.restart(row_seqs, row_masks)  # noqa: E731
+
+    def _switch(self, exc: Exception) -> None:
+        reason = f"{type(exc).__name__}: {exc}"
+        warnings.warn(
+            f"hf_ssd: the draft side ({getattr(self.drafter, 'kind', '?')}) failed ({reason}); continuing on the "
+            "exact fallback path. Generated tokens are kept and the output distribution is unchanged.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self.stats.fallback_reason = reason
+        try:
+            self.drafter.close()
+        except Exception:
+            pass
+        self.drafter = self.fallback(self.drafter)

@@ -120,3 +120,6 @@ def attach_to_model(config: SSDConfig, model) -> None:
     `generate(..., ssd=True)` picks it up (from the draft first, then the target)."""
     config.validate()
     model.generation_config.ssd_config = config.to_dict()
+    # A generation config derived from the model config (`_from_model_config=True`) drops unknown keys such as
+    # ssd_config when it is loaded again; once it carries our key it is a user-edited config.
+    model.generation_config._from_model_config = False

@@ -6,6 +6,7 @@ input-dependent processors (repetition penalty, no-repeat-ngram, min-new-tokens,
 """
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 
 import torch
@@ -15,6 +16,7 @@ from transformers.generation.logits_process import (
     EtaLogitsWarper,
     LogitsProcessorList,
     MinPLogitsWarper,
+    PrefixConstrainedLogitsProcessor,
     TemperatureLogitsWarper,
     TopHLogitsWarper,
     TopKLogitsWarper,
@@ -64,17 +66,39 @@ def group_by_length(rows: list[torch.Tensor]) -> dict[int, list[int]]:
     return groups
 
 
+def for_rows(processors: LogitsProcessorList, rows: torch.Tensor | None) -> LogitsProcessorList:
+    """The processors restricted to batch rows `rows` (original indices): per-row state such as the repetition
+    penalty's `prompt_ignore_length` (the left padding of each prompt row) is sliced to those rows, and
+    `prefix_allowed_tokens_fn` is called with each row's original batch index."""
+    if rows is None:
+        return processors
+    out = LogitsProcessorList()
+    for proc in processors:
+        ignore = getattr(proc, "prompt_ignore_length", None)
+        if isinstance(ignore, torch.Tensor):
+            proc = copy.copy(proc)
+            proc.prompt_ignore_length = ignore[rows.to(ignore.device)]
+        if isinstance(proc, PrefixConstrainedLogitsProcessor):
+            proc = copy.copy(proc)
+            fn, index = proc._prefix_allowed_tokens_fn, rows.tolist()
+            proc._prefix_allowed_tokens_fn = lambda batch_id, sent, fn=fn, index=index: fn(index[batch_id], sent)
+        out.append(proc)
+    return out
+
+
 def process_block(
     processors: LogitsProcessorList,
     prefixes: list[torch.Tensor],
     block: torch.Tensor,
     logits: torch.Tensor,
+    row_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Processed scores for a block of positions.
 
     prefixes: per row, the 1D token ids before the block (the prompt row as given, plus generated tokens).
     block:    [B, n] tokens appended after the prefix; position i's scores follow prefix + block[:, :i].
     logits:   [B, n + 1, V] raw logits; position i predicts the token after prefix + block[:, :i].
+    row_ids:  [B] each row's index in the original batch (for processors that keep per-row state).
     """
     if len(processors) == 0:
         return logits
@@ -87,7 +111,8 @@ def process_block(
     for _, rows in group_by_length(prefixes).items():
         base = torch.stack([prefixes[r] for r in rows]).to(logits.device)
         idx = torch.tensor(rows, device=logits.device)
+        group = for_rows(processors, None if row_ids is None else row_ids[idx.cpu()])
         for i in range(P):
             ids = torch.cat([base, block[idx, :i]], dim=1)
-            out[idx, i] = processors(ids, logits[idx, i].clone())
+            out[idx, i] = group(ids, logits[idx, i].clone())
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
+import warnings
 
 import torch
 
@@ -90,10 +91,13 @@ class ThreadDrafter:
 
     def close(self) -> None:
         pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.cancel()
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.inner.close()
+        if pending is not None and not pending.cancelled() and pending.exception() is not None:
+            # The failed build was for a round no one needs any more: the output is complete; still say so.
+            exc = pending.exception()
+            warnings.warn(f"hf_ssd: the draft side (thread) failed in the last round ({type(exc).__name__}: {exc}); "
+                          "the output is complete and unaffected.", RuntimeWarning, stacklevel=2)
 
 
 def live_worker_threads() -> list[threading.Thread]:

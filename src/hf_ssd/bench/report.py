@@ -129,7 +129,7 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
 
     written = []
     res, samples = report["results"], report["samples"]
-    tag = f"{report['models'].get('pair', '')}".split(":")[0]
+    tag = f"{report['models'].get('pair', '')}".split(":")[0].split(" (")[0]
 
     # 1. speedup over plain by method and prompt category (decode tok/s per category, b=1, first T, per setting)
     fig, ax = plt.subplots(figsize=(9, 4.5))
@@ -157,7 +157,8 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(cats))], cats)
     ax.set_ylabel("speedup over plain (end-to-end tok/s)")
-    ax.set_title(f"{tag}: speedup by method and prompt category (setting={setting}, T={temp}, batch={b0})")
+    ax.set_title(f"{tag}: speedup by method and prompt category\n(setting={setting}, T={temp}, batch={b0})",
+                 fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / PLOTS[0], dpi=110)

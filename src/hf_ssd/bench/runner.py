@@ -484,6 +484,10 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     info["torch_threads_default"] = torch.get_num_threads()
+    try:  # other processes on the same cores distort every timing: keep the load next to the numbers
+        info["load_avg_1_5_15"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        pass
     return info
 
 
@@ -506,6 +510,7 @@ def run_bench(cfg: BenchConfig, models=None, command: str | None = None) -> dict
     import hf_ssd  # noqa: F401
 
     t_start = time.perf_counter()
+    load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     for s in cfg.settings:
         if s not in SETTINGS:
             raise ValueError(f"unknown setting {s!r}; choose from {SETTINGS}")
@@ -585,7 +590,7 @@ def run_bench(cfg: BenchConfig, models=None, command: str | None = None) -> dict
         "config": cfg.to_dict(),
         "models": model_info,
         "versions": versions(),
-        "machine": machine_info(),
+        "machine": {**machine_info(), "load_avg_at_start": load_at_start},
         "workers": {"available": workers, "skipped": skipped},
         "methods": [m.name for m in methods],
         "prompts": [{k: p[k] for k in ("id", "set", "category")} | {"tokens": len(p["input_ids"])} for p in prompts],

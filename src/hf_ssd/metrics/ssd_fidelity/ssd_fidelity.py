@@ -41,7 +41,6 @@ Examples:
 
 
 class SsdFidelity(evaluate.Metric):
-    BUILDER_CONFIGS = [evaluate.info.EvaluationModuleInfo]  # placeholder: config names are checked in _compute
 
     def _info(self):
         return evaluate.MetricInfo(

@@ -1,0 +1,50 @@
+"""Every example runs on tiny random models (in-process via runpy, to skip the interpreter start-up), and
+`hf-ssd eval --tiny` runs end to end with a verdict."""
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+NAMES = ["basic", "streaming", "batch", "sampling_saguaro", "tensor_parallel", "saved_config", "benchmark"]
+
+
+def test_every_example_is_listed():
+    assert sorted(p.stem for p in EXAMPLES.glob("*.py") if not p.stem.startswith("_")) == sorted(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_example_runs(name, monkeypatch, capsys):
+    monkeypatch.setenv("HF_SSD_TINY", "1")
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", "--tiny", "--max-new-tokens", "12"])
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    runpy.run_path(str(EXAMPLES / f"{name}.py"), run_name="__main__")
+    assert capsys.readouterr().out.strip()
+
+
+def test_tensor_parallel_under_torchrun_is_honest(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(sys, "argv", ["tensor_parallel.py", "--tiny"])
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(EXAMPLES / "tensor_parallel.py"), run_name="__main__")
+    assert e.value.code == 0 and "does not support tensor-parallel" in capsys.readouterr().out
+
+
+def test_eval_cli_tiny(tmp_path, capsys):
+    import json
+
+    from hf_ssd.cli import main
+
+    out = tmp_path / "report.json"
+    rc = main(["eval", "--tiny", "--num-prompts", "1", "--max-new-tokens", "8", "--samples", "16",
+               "--sample-tokens", "3", "--output", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["verdict"] == "PASS"
+    assert report["fidelity"]["identity_rate"] == 1.0
+    assert report["humaneval"]["problems"] == 1 and report["humaneval"]["pass@1_plain"] == report["humaneval"]["pass@1_ssd"]
+    assert "verdict: PASS" in capsys.readouterr().out

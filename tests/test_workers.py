@@ -1,0 +1,181 @@
+"""Every worker kind is exact; draft-side faults lose nothing and leak nothing."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import warnings
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_ssd  # noqa: F401
+from hf_ssd.process_worker import ProcessDrafter
+from hf_ssd.saguaro import SaguaroDrafter
+from hf_ssd.workers import live_worker_threads
+
+WORKERS = ["inline", "thread", "process"]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.4)
+    target = LlamaForCausalLM(cfg).eval()
+    draft = LlamaForCausalLM(LlamaConfig(**{**cfg.to_dict(), "num_hidden_layers": 1})).eval()
+    draft.load_state_dict({k: v for k, v in target.state_dict().items() if "layers.1." not in k}, strict=False)
+    prompts = torch.randint(0, 96, (3, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(prompts)
+    mask[1, :4] = 0
+    mask[2, :2] = 0
+    return target, draft, prompts, mask
+
+
+def no_leaks() -> None:
+    assert live_worker_threads() == []
+    assert [p for p in multiprocessing.active_children() if p.name.startswith("hf-ssd")] == []
+
+
+@pytest.mark.parametrize("worker", WORKERS)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_identical_every_worker(pair, worker, batch):
+    target, draft, prompts, mask = pair
+    ids, m = prompts[:batch], mask[:batch]
+    ref = target.generate(ids, attention_mask=m, max_new_tokens=24, do_sample=False)
+    out = target.generate(ids, attention_mask=m, max_new_tokens=24, do_sample=False, assistant_model=draft,
+                          ssd=True, ssd_worker=worker, ssd_budget=6, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert out.ssd_stats["worker"] == worker
+    assert out.ssd_stats["cache_lookups"] > 0
+    no_leaks()
+
+
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_sampling_matches_inline_with_same_seed(pair, worker):
+    """Concurrent workers draw from the draft's own RNG stream, so a seeded run equals the inline run exactly."""
+    target, draft, prompts, mask = pair
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=True, temperature=0.9, assistant_model=draft,
+              ssd=True, ssd_budget=6, ssd_downweight=0.5)
+    inline = target.generate(prompts, generator=torch.Generator().manual_seed(5), ssd_worker="inline", **kw)
+    other = target.generate(prompts, generator=torch.Generator().manual_seed(5), ssd_worker=worker, **kw)
+    assert torch.equal(inline, other)
+    no_leaks()
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _fail_at(monkeypatch, method: str, at_round: int):
+    original = getattr(SaguaroDrafter, method)
+    calls = {"n": 0}
+
+    def flaky(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == at_round:
+            raise Boom(f"injected failure in {method} #{at_round}")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(SaguaroDrafter, method, flaky)
+    return calls
+
+
+@pytest.mark.parametrize("worker", ["inline", "thread"])
+@pytest.mark.parametrize("method,at_round", [("start", 1), ("begin", 1), ("begin", 4), ("resolve", 3), ("begin", 10**6)])
+def test_draft_fault_loses_nothing(pair, monkeypatch, worker, method, at_round):
+    target, draft, prompts, mask = pair
+    ref = target.generate(prompts, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    calls = _fail_at(monkeypatch, method, at_round)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = target.generate(prompts, attention_mask=mask, max_new_tokens=20, do_sample=False, assistant_model=draft,
+                              ssd=True, ssd_worker=worker, ssd_budget=6, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    injected = calls["n"] >= at_round
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert any("injected failure" in m for m in messages) == injected
+    assert (out.ssd_stats["fallback_reason"] is not None) == injected
+    no_leaks()
+
+
+def test_fault_in_last_round(pair, monkeypatch):
+    """A failure while the final round is verified: the round's tokens still land."""
+    target, draft, prompts, mask = pair
+    ref = target.generate(prompts[:1], attention_mask=mask[:1], max_new_tokens=20, do_sample=False)
+    probe = target.generate(prompts[:1], attention_mask=mask[:1], max_new_tokens=20, do_sample=False,
+                            assistant_model=draft, ssd=True, ssd_worker="thread", ssd_budget=6,
+                            return_dict_in_generate=True)
+    last = probe.ssd_stats["rounds"]
+    calls = _fail_at(monkeypatch, "begin", last)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = target.generate(prompts[:1], attention_mask=mask[:1], max_new_tokens=20, do_sample=False,
+                              assistant_model=draft, ssd=True, ssd_worker="thread", ssd_budget=6)
+    assert torch.equal(out, ref)
+    # The last build may be cancelled before it starts (nobody needs it); if it ran and failed, we were told.
+    warned = any("injected failure" in str(w.message) for w in caught)
+    assert warned == (calls["n"] >= last)
+    no_leaks()
+
+
+@pytest.mark.parametrize("at_round", [1, 3])
+def test_killed_process_worker_loses_nothing(pair, monkeypatch, at_round):
+    target, draft, prompts, mask = pair
+    ref = target.generate(prompts, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    original = ProcessDrafter.begin
+    calls = {"n": 0}
+
+    def kill_then_begin(self, spec):
+        calls["n"] += 1
+        if calls["n"] == at_round:
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.join(timeout=10)
+        return original(self, spec)
+
+    monkeypatch.setattr(ProcessDrafter, "begin", kill_then_begin)
+    with pytest.warns(RuntimeWarning, match="draft process died"):
+        out = target.generate(prompts, attention_mask=mask, max_new_tokens=16, do_sample=False, assistant_model=draft,
+                              ssd=True, ssd_worker="process", ssd_budget=6)
+    assert torch.equal(out, ref)
+    no_leaks()
+
+
+def test_process_worker_error_reported(pair, monkeypatch):
+    """An exception inside the child (here: a malformed command) comes back as a fallback with its traceback."""
+    target, draft, prompts, mask = pair
+    ref = target.generate(prompts, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    original = ProcessDrafter.begin
+    calls = {"n": 0}
+
+    def poison(self, spec):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            self.conn.send(("begin", "not a speculation"))
+            return None
+        return original(self, spec)
+
+    monkeypatch.setattr(ProcessDrafter, "begin", poison)
+    with pytest.warns(RuntimeWarning, match="draft process failed"):
+        out = target.generate(prompts, attention_mask=mask, max_new_tokens=16, do_sample=False, assistant_model=draft,
+                              ssd=True, ssd_worker="process", ssd_budget=6)
+    assert torch.equal(out, ref)
+    no_leaks()
+
+
+def test_draft_model_broken_falls_back_to_plain(pair, monkeypatch):
+    """If even the synchronous drafter fails, the engine finishes with plain target steps."""
+    target, draft, prompts, mask = pair
+    ref = target.generate(prompts, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    from hf_ssd import draft as draft_module
+
+    def broken(self, *a, **k):
+        raise Boom("draft model unusable")
+
+    monkeypatch.setattr(draft_module.DraftModel, "jit", broken)
+    with pytest.warns(RuntimeWarning, match="draft model unusable"):
+        out = target.generate(prompts, attention_mask=mask, max_new_tokens=12, do_sample=False, assistant_model=draft,
+                              ssd=True, ssd_worker="inline", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert out.ssd_stats["fallback_reason"] is not None
