@@ -36,6 +36,7 @@ class SSDConfig:
     draft_temperature: float | None = None  # draft-only temperature (exact: the verifier uses the same q)
     worker: str = "auto"  # where the draft runs: inline, thread, process
     draft_device: str | None = None  # device for the draft (default: where the draft model already is)
+    draft_quantize: str | None = None  # "int8": dynamic int8 copy of the draft on CPU (exact: q is the copy's)
     draft_threads: int | None = None  # torch intra-op threads for the draft side (CPU)
     target_threads: int | None = None  # torch intra-op threads for the target side (CPU)
     version: int = CONFIG_VERSION
@@ -76,6 +77,8 @@ class SSDConfig:
             raise bad("draft_temperature", "use a positive float (greedy drafting: leave it None with do_sample=False)")
         if self.worker not in WORKERS:
             raise bad("worker", f"choose one of {WORKERS}")
+        if self.draft_quantize not in (None, "int8"):
+            raise bad("draft_quantize", 'use "int8" (CPU dynamic int8 draft) or None')
         for name in ("draft_threads", "target_threads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

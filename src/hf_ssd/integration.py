@@ -37,11 +37,27 @@ def last_stats() -> dict[str, Any] | None:
 
 
 def _config_from_models(*models) -> SSDConfig | None:
-    """An SSD config stored in a model's generation_config.json (key `ssd_config`), draft first."""
+    """An SSD config published with a model, draft first: the `ssd_config` key of its generation_config.json, or
+    an ssd_config.json file in the directory it was loaded from. Old versions are migrated (hub.upgrade)."""
+    from pathlib import Path
+
+    from .config import CONFIG_NAME
+    from .hub import config_from_dict
+
     for model in models:
+        if model is None:
+            continue
         stored = getattr(getattr(model, "generation_config", None), "ssd_config", None)
+        if isinstance(stored, SSDConfig):
+            return stored
+        name = type(model).__name__
         if stored is not None:
-            return SSDConfig.from_dict(stored) if isinstance(stored, dict) else stored
+            return config_from_dict(stored, source=f"{name}.generation_config.ssd_config")
+        path = Path(str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "_"))
+        if (path / CONFIG_NAME).is_file():
+            import json
+
+            return config_from_dict(json.loads((path / CONFIG_NAME).read_text()), source=str(path / CONFIG_NAME))
     return None
 
 
@@ -64,7 +80,8 @@ def generate(
     ssd_config = kwargs.pop("ssd_config", None)
     ssd_keys = [k for k in kwargs if k.startswith("ssd_")]
     if not ssd:
-        if ssd_keys or ssd_config is not None:
+        # A custom_generate repo (e.g. ours, written by custom_generate_repo) takes its own ssd_* options.
+        if (ssd_keys or ssd_config is not None) and not isinstance(custom_generate, str):
             raise TypeError(f"SSD options {ssd_keys or ['ssd_config']} were given without ssd=True; add ssd=True.")
         return _ORIGINAL_GENERATE(
             self,
@@ -79,6 +96,7 @@ def generate(
             negative_prompt_ids=negative_prompt_ids,
             negative_prompt_attention_mask=negative_prompt_attention_mask,
             custom_generate=custom_generate,
+            **({"ssd_config": ssd_config} if ssd_config is not None else {}),
             **kwargs,
         )
     if custom_generate is not None:

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 from .config import SSDConfig
 from .draft import DraftModel
+from .draft_quant import quantized_draft, unquantized
 from .stats import RoundRecord, SSDStats
 
 # Stats the child's drafter maintains and the parent reports.
@@ -21,12 +22,13 @@ SHARED_STATS = ("cache_lookups", "cache_hits", "backup_rounds", "fanout_after_hi
                 "alpha", "power_r", "backup_threshold")
 
 
-def _serve(conn, model, vocab, warpers, greedy, downweight, rng_state, config_dict, budget, started, threads) -> None:
+def _serve(conn, model, quantize, vocab, warpers, greedy, downweight, rng_state, config_dict, budget, started, threads) -> None:
     from .saguaro import SaguaroDrafter
 
     if threads is not None:
         torch.set_num_threads(threads)
     torch.set_grad_enabled(False)
+    model = quantized_draft(model, quantize)
     generator = None
     if rng_state is not None:  # continue the parent's draft RNG stream: same samples as inline
         generator = torch.Generator()
@@ -80,7 +82,7 @@ class ProcessDrafter:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(
             target=_serve,
-            args=(child, draft.kv.model, draft.vocab_size, draft.warpers, greedy, draft.downweight, rng_state,
+            args=(child, *unquantized(draft.kv.model), draft.vocab_size, draft.warpers, greedy, draft.downweight, rng_state,
                   config.to_dict(), budget, stats.started, config.draft_threads),
             name="hf-ssd-draft-process",
             daemon=True,

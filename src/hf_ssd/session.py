@@ -8,6 +8,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 
 from .config import SSDConfig
 from .draft import DraftModel
+from .draft_quant import quantized_draft
 from .engine import Engine, RowOutputs
 from .kv import CachedModel, input_device
 from .processing import check_processors, with_temperature
@@ -36,6 +37,7 @@ def run_session(
     check_processors(processors)
     if config.draft_device is not None:
         draft.to(config.draft_device)
+    draft = quantized_draft(draft, config.draft_quantize)
     B = input_ids.shape[0]
     greedy = not generation_config.do_sample
     vocab = target.config.get_text_config().vocab_size
