@@ -179,3 +179,43 @@ def test_draft_model_broken_falls_back_to_plain(pair, monkeypatch):
                               ssd=True, ssd_worker="inline", return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
     assert out.ssd_stats["fallback_reason"] is not None
+
+
+def test_persistent_process_worker_reused(pair):
+    """A kept DraftProcess serves several generate() calls (no start-up each time) and ends with its context."""
+    target, draft, prompts, mask = pair
+    with hf_ssd.DraftProcess(draft) as worker:
+        pid = worker.process.pid
+        for batch in (1, 3):
+            ref = target.generate(prompts[:batch], attention_mask=mask[:batch], max_new_tokens=16, do_sample=False)
+            out = target.generate(prompts[:batch], attention_mask=mask[:batch], max_new_tokens=16, do_sample=False,
+                                  assistant_model=draft, ssd=True, ssd_worker=worker, ssd_budget=6,
+                                  return_dict_in_generate=True)
+            assert torch.equal(out.sequences, ref)
+            assert out.ssd_stats["worker"] == "process" and out.ssd_stats["cache_lookups"] > 0
+            assert worker.process.is_alive() and worker.process.pid == pid
+    assert not worker.process.is_alive()
+    no_leaks()
+
+
+def test_persistent_process_worker_dead_falls_back(pair):
+    target, draft, prompts, mask = pair
+    worker = hf_ssd.DraftProcess(draft)
+    os.kill(worker.process.pid, signal.SIGKILL)
+    worker.process.join(timeout=10)
+    ref = target.generate(prompts, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    with pytest.warns(RuntimeWarning, match="died"):
+        out = target.generate(prompts, attention_mask=mask, max_new_tokens=12, do_sample=False, assistant_model=draft,
+                              ssd=True, ssd_worker=worker)
+    assert torch.equal(out, ref)
+    worker.close()
+    no_leaks()
+
+
+def test_persistent_worker_for_other_draft_is_refused(pair):
+    target, draft, prompts, mask = pair
+    other = LlamaForCausalLM(draft.config).eval()
+    with hf_ssd.DraftProcess(other) as worker:
+        with pytest.raises(ValueError, match="different draft model"):
+            target.generate(prompts, attention_mask=mask, max_new_tokens=4, assistant_model=draft, ssd=True,
+                            ssd_worker=worker)

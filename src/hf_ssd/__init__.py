@@ -5,8 +5,9 @@ Importing hf_ssd enables `model.generate(..., assistant_model=draft, ssd=True)` 
 """
 from .config import SSDConfig
 from .integration import SSDGenerateOutput, disable, enable, is_enabled, last_stats
+from .process_worker import DraftProcess
 
-__all__ = ["SSDConfig", "SSDGenerateOutput", "enable", "disable", "is_enabled", "last_stats"]
+__all__ = ["DraftProcess", "SSDConfig", "SSDGenerateOutput", "enable", "disable", "is_enabled", "last_stats"]
 __version__ = "0.1.0"
 
 enable()

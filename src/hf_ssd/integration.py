@@ -17,6 +17,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .config import SSDConfig, config_from_kwargs
+from .process_worker import DraftProcess
 from .session import run_session
 from .validate import check_generation, check_pair
 
@@ -102,6 +103,13 @@ def generate(
     if custom_generate is not None:
         raise ValueError("ssd=True already sets the decoding loop; drop custom_generate.")
     base = ssd_config if ssd_config is not None else _config_from_models(assistant_model, self)
+    worker_handle = kwargs.get("ssd_worker")
+    if isinstance(worker_handle, DraftProcess):  # a kept-alive draft process (see process_worker)
+        if worker_handle.model is not assistant_model:
+            raise ValueError("ssd_worker is a DraftProcess for a different draft model; pass the same assistant_model.")
+        kwargs["ssd_worker"] = "process"
+    else:
+        worker_handle = None
     config = config_from_kwargs(base, kwargs)
     generator = kwargs.pop("generator", None)
     tokenizer = kwargs.pop("tokenizer", None)
@@ -123,7 +131,8 @@ def generate(
     ids = inputs if inputs is not None else kwargs.get("input_ids")
     batch_size = ids.shape[0] if ids is not None and ids.dim() == 2 else 1
     decode = functools.partial(
-        _ssd_decode, draft=assistant_model, config=config, streamer=streamer, generator=generator, extra=kwargs
+        _ssd_decode, draft=assistant_model, config=config, streamer=streamer, generator=generator,
+        worker=worker_handle,
     )
     functools.update_wrapper(decode, _ssd_decode)
     checked = dict(kwargs)
@@ -153,7 +162,7 @@ def _with_checks(decode, kwargs, batch_size, streamer):
 
 
 def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, *, draft, config, streamer,
-                generator, extra, **model_kwargs):
+                generator, worker, **model_kwargs):
     global _last_stats
     mask = model_kwargs.get("attention_mask")
     if mask is None:
@@ -163,7 +172,7 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
     try:
         rows, stats = run_session(
             model, draft, input_ids, mask, logits_processor, stopping_criteria, generation_config, config, generator,
-            streamer,
+            streamer, worker,
         )
     finally:
         if streamer is not None:

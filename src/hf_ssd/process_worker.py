@@ -1,9 +1,17 @@
 """The draft side in its own process: no GIL shared with the target, its own threads (or its own GPU).
 
-The child owns the draft model (sent once through shared memory) and a SaguaroDrafter; the parent sends each
-command over a pipe. `begin` does not wait for an answer, so the child builds the speculation cache while the
-parent's target verifies. A dead or failing child raises in the parent, and the engine falls back to the exact
+The child owns the draft model (sent once through shared memory) and, per generation, a SaguaroDrafter; the
+parent sends each command over a pipe. `begin` is not answered, so the child builds the speculation cache while
+the parent's target verifies. A dead or failing child raises in the parent, and the engine falls back to the exact
 synchronous path.
+
+Starting a process costs seconds (imports, moving the weights to shared memory). To pay it once, keep one:
+
+    with hf_ssd.DraftProcess(draft) as worker:
+        for prompt in prompts:
+            target.generate(prompt, assistant_model=draft, ssd=True, ssd_worker=worker)
+
+Without such a handle, every generate() starts its own process and ends it before returning.
 """
 from __future__ import annotations
 
@@ -22,21 +30,12 @@ SHARED_STATS = ("cache_lookups", "cache_hits", "backup_rounds", "fanout_after_hi
                 "alpha", "power_r", "backup_threshold")
 
 
-def _serve(conn, model, quantize, vocab, warpers, greedy, downweight, rng_state, config_dict, budget, started, threads) -> None:
+def _serve(conn, model, quantize) -> None:
     from .saguaro import SaguaroDrafter
 
-    if threads is not None:
-        torch.set_num_threads(threads)
     torch.set_grad_enabled(False)
     model = quantized_draft(model, quantize)
-    generator = None
-    if rng_state is not None:  # continue the parent's draft RNG stream: same samples as inline
-        generator = torch.Generator()
-        generator.set_state(rng_state)
-    draft = DraftModel(model, 0, vocab, warpers, greedy, downweight, generator)
-    stats = SSDStats()
-    stats.started = started
-    drafter = SaguaroDrafter(draft, SSDConfig.from_dict(config_dict), stats, budget, greedy)
+    drafter = draft = stats = None
     failed: str | None = None
     while True:
         try:
@@ -47,6 +46,25 @@ def _serve(conn, model, quantize, vocab, warpers, greedy, downweight, rng_state,
             conn.send(("ok", None))
             return
         try:
+            if cmd == "setup":  # a new generation: fresh caches, options and RNG state
+                vocab, warpers, greedy, downweight, rng_state, config_dict, budget, started, threads = args
+                if threads is not None:
+                    torch.set_num_threads(threads)
+                generator = None
+                if rng_state is not None:  # continue the parent's draft RNG stream: same samples as inline
+                    generator = torch.Generator()
+                    generator.set_state(rng_state)
+                draft = DraftModel(model, 0, vocab, warpers, greedy, downweight, generator)
+                stats = SSDStats()
+                stats.started = started
+                drafter = SaguaroDrafter(draft, SSDConfig.from_dict(config_dict), stats, budget, greedy)
+                failed = None
+                conn.send(("ok", None))
+                continue
+            if cmd == "release":
+                drafter = draft = stats = None
+                conn.send(("ok", None))
+                continue
             if failed is not None:
                 raise RuntimeError(failed)
             if cmd == "start":
@@ -67,32 +85,30 @@ def _serve(conn, model, quantize, vocab, warpers, greedy, downweight, rng_state,
                 conn.send(("error", failed))
 
 
-class ProcessDrafter:
-    kind = "process"
+class DraftProcess:
+    """A process that owns a draft model; reusable across generate() calls (see the module docstring)."""
 
-    def __init__(self, draft: DraftModel, config: SSDConfig, stats: SSDStats, budget: int, greedy: bool,
-                 timeout_s: float = 600.0):
-        self.stats, self.timeout_s = stats, timeout_s
-        self.last_hits = None
-        self.last_backup = None
-        self.draft_span = None
-        self.remote_forwards = 0
-        rng_state = None if draft.generator is None else draft.generator.get_state()
+    def __init__(self, draft_model, quantize: str | None = None, timeout_s: float = 600.0):
+        self.timeout_s = timeout_s
+        self.model = draft_model
+        source, mode = unquantized(quantized_draft(draft_model, quantize))
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(
-            target=_serve,
-            args=(child, *unquantized(draft.kv.model), draft.vocab_size, draft.warpers, greedy, draft.downweight, rng_state,
-                  config.to_dict(), budget, stats.started, config.draft_threads),
-            name="hf-ssd-draft-process",
-            daemon=True,
-        )
+        self.process = ctx.Process(target=_serve, args=(child, source, mode), name="hf-ssd-draft-process",
+                                   daemon=True)
         self.process.start()
         child.close()
-        self.device = draft.kv.device
 
-    def _call(self, *msg):
+    def alive(self) -> None:
+        if not self.process.is_alive():
+            raise RuntimeError(f"the draft process died (exit code {self.process.exitcode})")
+
+    def send(self, *msg) -> None:
+        self.alive()
         self.conn.send(msg)
+
+    def call(self, *msg):
+        self.send(*msg)
         if not self.conn.poll(self.timeout_s):
             raise TimeoutError(f"the draft process did not answer `{msg[0]}` within {self.timeout_s:.0f} s")
         try:
@@ -102,29 +118,6 @@ class ProcessDrafter:
         if status == "error":
             raise RuntimeError(f"the draft process failed:\n{payload}")
         return payload
-
-    def _alive(self) -> None:
-        if not self.process.is_alive():
-            raise RuntimeError(f"the draft process died (exit code {self.process.exitcode})")
-
-    def start(self, prompt, mask):
-        self._alive()
-        return self._call("start", prompt.cpu(), mask.cpu())
-
-    def begin(self, spec) -> None:
-        self._alive()
-        self.conn.send(("begin", spec))
-
-    def resolve(self, outcome, keep, contexts):
-        self._alive()
-        last = self.stats.timeline[-1] if self.stats.timeline else None
-        verify_s = (last.verify_end - last.verify_start) if last is not None else 0.0
-        spec, info = self._call("resolve", outcome, keep, contexts, verify_s)
-        for name in SHARED_STATS:
-            setattr(self.stats, name, info[name])
-        self.last_hits, self.last_backup, self.draft_span = info["last_hits"], info["last_backup"], info["draft_span"]
-        self.remote_forwards = info["draft_forwards"]
-        return spec
 
     def close(self) -> None:
         if self.process.is_alive():
@@ -139,3 +132,60 @@ class ProcessDrafter:
             self.process.terminate()
             self.process.join(timeout=5)
         self.conn.close()
+
+    def __enter__(self) -> DraftProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ProcessDrafter:
+    kind = "process"
+
+    def __init__(self, draft: DraftModel, config: SSDConfig, stats: SSDStats, budget: int, greedy: bool,
+                 process: DraftProcess | None = None):
+        self.stats = stats
+        self.last_hits = None
+        self.last_backup = None
+        self.draft_span = None
+        self.remote_forwards = 0
+        self.owned = process is None
+        self.worker = DraftProcess(draft.kv.model) if process is None else process
+        rng_state = None if draft.generator is None else draft.generator.get_state()
+        self.worker.call("setup", draft.vocab_size, draft.warpers, greedy, draft.downweight, rng_state,
+                         config.to_dict(), budget, stats.started, config.draft_threads)
+
+    @property
+    def process(self):
+        return self.worker.process
+
+    @property
+    def conn(self):
+        return self.worker.conn
+
+    def start(self, prompt, mask):
+        return self.worker.call("start", prompt.cpu(), mask.cpu())
+
+    def begin(self, spec) -> None:
+        self.worker.send("begin", spec)
+
+    def resolve(self, outcome, keep, contexts):
+        last = self.stats.timeline[-1] if self.stats.timeline else None
+        verify_s = (last.verify_end - last.verify_start) if last is not None else 0.0
+        spec, info = self.worker.call("resolve", outcome, keep, contexts, verify_s)
+        for name in SHARED_STATS:
+            setattr(self.stats, name, info[name])
+        self.last_hits, self.last_backup, self.draft_span = info["last_hits"], info["last_backup"], info["draft_span"]
+        self.remote_forwards = info["draft_forwards"]
+        return spec
+
+    def close(self) -> None:
+        if self.owned:
+            self.worker.close()
+            return
+        try:  # a kept worker stays up for the next generation, without this one's caches
+            if self.worker.process.is_alive():
+                self.worker.call("release")
+        except Exception:
+            pass

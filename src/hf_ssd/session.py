@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
@@ -33,6 +34,7 @@ def run_session(
     config: SSDConfig,
     generator: torch.Generator | None,
     streamer=None,
+    worker=None,
 ) -> tuple[RowOutputs, SSDStats]:
     check_processors(processors)
     if config.draft_device is not None:
@@ -64,7 +66,13 @@ def run_session(
         from .workers import make_drafter
 
         budget = config.budget or measure_budget(target, draft, config.num_draft_tokens, B)
-        drafter = make_drafter(config, make_draft_model(B, config.downweight), stats, budget, greedy)
+        try:
+            drafter = make_drafter(config, make_draft_model(B, config.downweight), stats, budget, greedy, worker)
+        except Exception as exc:  # e.g. a kept draft process that died: same exact fallback as mid-generation
+            warnings.warn(f"hf_ssd: could not start the SSD draft side ({type(exc).__name__}: {exc}); using the "
+                          "exact synchronous path.", RuntimeWarning, stacklevel=4)
+            stats.fallback_reason = f"{type(exc).__name__}: {exc}"
+            drafter = fallback(None)
     target_kv = CachedModel(target, B)
     engine = Engine(target_kv, drafter, processors, stopping, generation_config, stats, generator, streamer, fallback)
     start = time.perf_counter()

@@ -25,7 +25,7 @@ def default_worker(device: torch.device) -> str:
     return "thread" if (os.cpu_count() or 1) >= 2 else "inline"
 
 
-def make_drafter(config: SSDConfig, draft: DraftModel, stats: SSDStats, budget: int, greedy: bool):
+def make_drafter(config: SSDConfig, draft: DraftModel, stats: SSDStats, budget: int, greedy: bool, process=None):
     from .saguaro import SaguaroDrafter
 
     kind = config.worker if config.worker != "auto" else default_worker(draft.kv.device)
@@ -33,7 +33,7 @@ def make_drafter(config: SSDConfig, draft: DraftModel, stats: SSDStats, budget: 
     if kind == "process":
         from .process_worker import ProcessDrafter
 
-        return ProcessDrafter(draft, config, stats, budget, greedy)
+        return ProcessDrafter(draft, config, stats, budget, greedy, process)
     inner = SaguaroDrafter(draft, config, stats, budget, greedy)
     if kind == "thread":
         return ThreadDrafter(inner, config.draft_threads)
