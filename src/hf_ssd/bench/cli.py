@@ -95,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
     paths = write_report(report, args.out, plots=not args.no_plots)
     print(markdown_table(report))
     print("\nwrote " + ", ".join(paths.values()))
+    for r in report["results"]:
+        if r.get("fallback_reason"):
+            print(f"warning: {r['method']} ({r['setting']}, T={r['temperature']}, b={r['batch_size']}) fell back to "
+                  f"sync SD: {r['fallback_reason']}", file=sys.stderr)
     problems = validate_report(report)
     for p in problems:
         print(f"report problem: {p}", file=sys.stderr)

@@ -48,7 +48,7 @@ def validate_report(report: dict[str, Any]) -> list[str]:
                 errs.append(f"results[{i}].{k} = {r[k]!r} has a bad type/value")
         if r.get("kind") in ("sd", "ssd") and r.get("mean_tokens_per_round") is None:
             errs.append(f"results[{i}] ({r.get('method')}) has no mean_tokens_per_round")
-        if r.get("kind") == "ssd" and r.get("hit_rate") is None:
+        if r.get("kind") == "ssd" and r.get("hit_rate") is None and not r.get("fallback_reason"):
             errs.append(f"results[{i}] ({r.get('method')}) has no hit_rate")
         if r.get("temperature") == 0 and r.get("greedy_equal") is None:
             errs.append(f"results[{i}] ({r.get('method')}) greedy run without an equality check")
@@ -77,7 +77,10 @@ def markdown_table(report: dict[str, Any]) -> str:
             ("= plain (greedy)", "greedy_equal", None)]
     lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for r in report["results"]:
-        lines.append("| " + " | ".join(_fmt(r.get(k), f) if f else _fmt(r.get(k)) for _, k, f in cols) + " |")
+        cells = [_fmt(r.get(k), f) if f else _fmt(r.get(k)) for _, k, f in cols]
+        if r.get("fallback_reason"):  # the engine gave up on SSD and ran sync SD: say so next to the numbers
+            cells[3] += f" (FELL BACK to sync SD: {r['fallback_reason']})"
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

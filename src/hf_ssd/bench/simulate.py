@@ -121,7 +121,7 @@ def measured_vs_predicted(report: dict[str, Any]) -> list[dict[str, Any]]:
     for (setting, temp, b), g in groups.items():
         sd = g.get("sd")
         for name, ssd in g.items():
-            if not name.startswith("ssd:") or sd is None or not ssd.get("phase_means_s") or not sd.get("phase_means_s"):
+            if not name.startswith("ssd:") or ssd.get("fallback_reason") or sd is None or not ssd.get("phase_means_s") or not sd.get("phase_means_s"):
                 continue
             x = timings_from_results(sd, ssd, g.get("plain"), K)
             t = x["timings"]
