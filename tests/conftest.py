@@ -1,8 +1,9 @@
 """Tiny random models built from configs (no downloads), shared by the exactness and input tests.
 
 Every model is float32 with a large `initializer_range`, so logits have clear gaps and greedy argmaxes are not
-decided by rounding. Each target comes with two drafts: `related` (the target with small noise on its weights:
-acceptance is high but not 1) and `same` (the target itself: acceptance 1, every cache lookup can hit).
+decided by rounding. Each target comes with three drafts: `related` (the target with small noise on its weights:
+acceptance is high but not 1), `same` (the target itself: acceptance 1, every cache lookup can hit) and `shallow`
+(the target's first layer only: a draft of a different depth, low acceptance).
 """
 from __future__ import annotations
 
@@ -104,6 +105,19 @@ def noisy_copy(model, scale: float = 0.02, seed: int = 1):
     return draft.eval()
 
 
+def shallow_copy(model, layers: int = 1):
+    """A draft with the target's first `layers` layers (and its embeddings, norm and head): a different depth, so
+    the draft cache has fewer layers than the target's (for Gemma3: only the sliding-window layer)."""
+    cfg = copy.deepcopy(model.config)
+    cfg.num_hidden_layers = layers
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = cfg.layer_types[:layers]
+    draft = type(model)(cfg)
+    missing, _ = draft.load_state_dict(model.state_dict(), strict=False)
+    assert not [k for k in missing if "rotary" not in k], missing
+    return draft.eval()
+
+
 def build_target(arch: str, seed: int = 0):
     torch.manual_seed(seed)
     model = BUILDERS[arch]().eval()
@@ -117,6 +131,7 @@ class Pair:
     target: torch.nn.Module
     related: torch.nn.Module  # noisy copy: acceptance high but < 1
     same: torch.nn.Module  # the target itself: acceptance 1
+    shallow: torch.nn.Module  # the target's first layer only: a draft of different depth
 
 
 _CACHE: dict[str, Pair] = {}
@@ -125,7 +140,7 @@ _CACHE: dict[str, Pair] = {}
 def get_pair(arch: str) -> Pair:
     if arch not in _CACHE:
         target = build_target(arch)
-        _CACHE[arch] = Pair(arch, target, noisy_copy(target, 0.05), target)
+        _CACHE[arch] = Pair(arch, target, noisy_copy(target, 0.05), target, shallow_copy(target))
     return _CACHE[arch]
 
 

@@ -38,6 +38,18 @@ def test_identity_arch_mode_k(arch, mode, K):
         assert out.ssd_stats["drafted"] > 0
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_identity_shallow_draft(arch, mode):
+    """A draft with fewer layers (Gemma3: only a sliding-window layer) on a left-padded batch."""
+    p = get_pair(arch)
+    ids, mask = left_pad([prompt(11, seed=14)[0], prompt(5, seed=15)[0]])
+    ref = plain_generate(p.target, ids, attention_mask=mask, max_new_tokens=14)
+    out = ssd_generate(p.target, p.shallow, ids, attention_mask=mask, max_new_tokens=14, ssd_mode=mode,
+                       ssd_num_draft_tokens=2, return_dict_in_generate=True)
+    assert_same(out, ref)
+
+
 def test_related_draft_acceptance_is_nontrivial():
     """The `related` drafts must be neither useless nor identical, else the identity tests prove little."""
     means = []
