@@ -12,10 +12,10 @@ import torch
 from .kv import input_device
 
 _MEASURED: dict[tuple, int] = {}
-CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
+CANDIDATES = (1, 2, 4, 8, 16, 32)
 
 
-def _time_forward(model, batch: int, n: int, prefix: int = 64, repeats: int = 2) -> float:
+def _time_forward(model, batch: int, n: int, prefix: int = 32, repeats: int = 2) -> float:
     device = input_device(model)
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (batch, prefix + n), device=device)

@@ -35,6 +35,7 @@ def _serve(conn, model, quantize) -> None:
 
     torch.set_grad_enabled(False)
     model = quantized_draft(model, quantize)
+    conn.send(("ok", "ready"))
     drafter = draft = stats = None
     failed: str | None = None
     while True:
@@ -98,6 +99,7 @@ class DraftProcess:
                                    daemon=True)
         self.process.start()
         child.close()
+        self._answer("start-up")  # pay the start-up here, not inside the first generation
 
     def alive(self) -> None:
         if not self.process.is_alive():
@@ -109,8 +111,11 @@ class DraftProcess:
 
     def call(self, *msg):
         self.send(*msg)
+        return self._answer(msg[0])
+
+    def _answer(self, what: str):
         if not self.conn.poll(self.timeout_s):
-            raise TimeoutError(f"the draft process did not answer `{msg[0]}` within {self.timeout_s:.0f} s")
+            raise TimeoutError(f"the draft process did not answer `{what}` within {self.timeout_s:.0f} s")
         try:
             status, payload = self.conn.recv()
         except EOFError:

@@ -51,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--K", type=int, default=4, help="draft tokens per round (also HF's num_assistant_tokens)")
     g.add_argument("--budget", type=int, help="SSD branches per row (default: measured by the engine)")
     g.add_argument("--downweight", type=float, default=1.0, help="Saguaro C in [0, 1]")
+    g.add_argument("--draft-quantize", choices=["int8"], default=None,
+                   help="int8 copy of the draft (CPU) for every method that drafts (HF assisted, SD, SSD)")
     g.add_argument("--target-threads", type=int, help="parallel SSD workers, equal setting (default 1)")
     g.add_argument("--draft-threads", type=int, help="parallel SSD workers, equal setting (default 1)")
     g = p.add_argument_group("run")
@@ -76,7 +78,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         pair=args.pair, target=args.target, draft=args.draft, tiny=args.tiny, dtype=args.dtype,
         max_prompt_tokens=args.max_prompt_tokens, methods=tuple(args.methods), workers=args.workers, K=args.K,
-        budget=args.budget, downweight=args.downweight, target_threads=args.target_threads,
+        budget=args.budget, downweight=args.downweight, draft_quantize=args.draft_quantize, target_threads=args.target_threads,
         draft_threads=args.draft_threads, seed=args.seed, progress=not args.no_progress, **base)
 
 

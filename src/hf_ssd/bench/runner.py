@@ -57,6 +57,7 @@ class BenchConfig:
     K: int = 4
     budget: int | None = None
     downweight: float = 1.0
+    draft_quantize: str | None = None  # "int8": every method that drafts uses the int8 copy of the draft
     target_threads: int | None = None  # parallel SSD workers only (default 1)
     draft_threads: int | None = None
     hf_schedules: tuple[str, ...] = ("constant", "heuristic", "default")
@@ -254,6 +255,9 @@ class PeakRSS:
         return False
 
 
+_PROCESS: dict[str, Any] = {}  # the kept DraftProcess of a run, if the process worker is benchmarked
+
+
 def available_workers(target, draft, requested: tuple[str, ...] | None = None) -> tuple[list[str], dict[str, str]]:
     """Worker kinds that really run: each is tried on a 4-token prompt; a NotImplementedError (or a run whose
     stats report another worker) skips it. Returns (available, {skipped kind: reason})."""
@@ -333,7 +337,8 @@ def generate_once(method: Method, target, draft, ids, mask, *, cfg: BenchConfig,
         kw.update(assistant_model=draft, ssd=True, ssd_mode="sync" if method.kind == "sd" else "ssd",
                   ssd_num_draft_tokens=cfg.K)
         if method.kind == "ssd":
-            kw.update(ssd_worker=method.option, ssd_downweight=cfg.downweight)
+            worker = _PROCESS.get("worker") if method.option == "process" else None
+            kw.update(ssd_worker=worker or method.option, ssd_downweight=cfg.downweight)
             if cfg.budget is not None:
                 kw["ssd_budget"] = cfg.budget
             if th["target"] is not None:
@@ -515,12 +520,32 @@ def run_bench(cfg: BenchConfig, models=None, command: str | None = None) -> dict
         if s not in SETTINGS:
             raise ValueError(f"unknown setting {s!r}; choose from {SETTINGS}")
     target, draft, tok, model_info = models if models is not None else load_models(cfg)
+    if cfg.draft_quantize:
+        from ..draft_quant import quantized_draft
+
+        draft = quantized_draft(draft, cfg.draft_quantize)
+        model_info = {**model_info, "draft_quantize": cfg.draft_quantize}
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     eos = target.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
     prompts = load_bench_prompts(cfg, tok)
     workers, skipped = available_workers(target, draft, cfg.workers) if "ssd" in cfg.methods else ([], {})
     methods = plan_methods(cfg, workers)
+    if "process" in workers:  # one kept draft process for all runs: its start-up is not part of any timing
+        from ..process_worker import DraftProcess
+
+        _PROCESS["worker"] = DraftProcess(draft)
+    try:
+        return _run_units(cfg, command, target, draft, tok, model_info, prompts, workers, skipped, methods, pad_id,
+                          eos_ids, t_start, load_at_start)
+    finally:
+        if "worker" in _PROCESS:
+            _PROCESS.pop("worker").close()
+
+
+def _run_units(cfg, command, target, draft, tok, model_info, prompts, workers, skipped, methods, pad_id, eos_ids,
+               t_start, load_at_start) -> dict[str, Any]:
+    from tqdm.auto import tqdm
 
     units = []
     for setting in cfg.settings:
