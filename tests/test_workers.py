@@ -219,3 +219,32 @@ def test_persistent_worker_for_other_draft_is_refused(pair):
         with pytest.raises(ValueError, match="different draft model"):
             target.generate(prompts, attention_mask=mask, max_new_tokens=4, assistant_model=draft, ssd=True,
                             ssd_worker=worker)
+
+
+class InterruptAt:
+    """A stopping criterion that raises KeyboardInterrupt once the sequence reaches a length (a user's Ctrl-C)."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if input_ids.shape[-1] >= self.length:
+            raise KeyboardInterrupt
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+@pytest.mark.parametrize("worker", WORKERS)
+def test_keyboard_interrupt_stops_cleanly(pair, worker):
+    from transformers import StoppingCriteriaList
+
+    target, draft, prompts, mask = pair
+    with pytest.raises(KeyboardInterrupt):
+        target.generate(prompts, attention_mask=mask, max_new_tokens=40, do_sample=False, assistant_model=draft,
+                        ssd=True, ssd_worker=worker, ssd_budget=6,
+                        stopping_criteria=StoppingCriteriaList([InterruptAt(prompts.shape[1] + 10)]))
+    no_leaks()
+    # and the next call works normally
+    ref = target.generate(prompts, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    out = target.generate(prompts, attention_mask=mask, max_new_tokens=8, do_sample=False, assistant_model=draft,
+                          ssd=True, ssd_worker=worker, ssd_budget=6)
+    assert torch.equal(out, ref)
