@@ -1,6 +1,6 @@
 """The verification math, checked by exact enumeration instead of sampling.
 
-verify_sampled draws u ~ U(0,1) per slot and one token from the residual. Here `torch.rand` is replaced by a grid
+verify_sampled draws u ~ U(0,1) per slot and one token from the residual. Here `acceptance_uniforms` is replaced by a grid
 of midpoints u_m = (m + 1/2)/M and `sample` by a recorder of the residual it was handed, so the output
 distribution is computed exactly: with dyadic q (powers of two) and p on a 1/64 grid every ratio p/q is a multiple
 of 1/M, so the fraction of grid points with u*q < p is exactly min(1, p/q) (no ties, no rounding).
@@ -45,15 +45,15 @@ def _patched_run(monkeypatch, drafts, n, p, q, u):
     """verify_sampled with fixed u [B, K]; returns (accepted [B], residual distribution [B, V])."""
     seen = {}
 
-    def fake_rand(*shape, generator=None, device=None, dtype=None):
-        assert tuple(shape) == tuple(u.shape)
+    def fake_rand(B, K, generator=None, device=None, dtype=None):
+        assert (B, K) == tuple(u.shape)
         return u.to(dtype=dtype or torch.float32)
 
     def fake_sample(probs, generator=None):
         seen["probs"] = probs.clone()
         return probs.argmax(dim=-1)
 
-    monkeypatch.setattr(verify_mod.torch, "rand", fake_rand)
+    monkeypatch.setattr(verify_mod, "acceptance_uniforms", fake_rand)
     monkeypatch.setattr(verify_mod, "sample", fake_sample)
     try:
         out = verify_sampled(drafts, n, p, q)
@@ -185,12 +185,12 @@ def test_acceptance_threshold_is_min_one_ratio():
     n = torch.ones(B, dtype=torch.long)  # one real draft: slots 1.. are never accepted
     for factor, expect in ((0.999, 1), (1.001, 0)):
         u = (ratio * factor).clamp(max=0.999999)[:, None].expand(B, K).contiguous()
-        orig = verify_mod.torch.rand
-        verify_mod.torch.rand = lambda *s, generator=None, device=None, dtype=None: u.to(dtype)
+        orig = verify_mod.acceptance_uniforms
+        verify_mod.acceptance_uniforms = lambda *s: u.to(s[-1])
         try:
             out = verify_sampled(drafts, n, p, q)
         finally:
-            verify_mod.torch.rand = orig
+            verify_mod.acceptance_uniforms = orig
         assert (out.accepted[below] == expect).all()
         assert (out.accepted[above] == 1).all()  # p >= q: always accepted
         assert (out.accepted <= 1).all()
@@ -200,12 +200,12 @@ def test_verify_sampled_residual_zero_mass_rows():
     """p == q at a rejected slot has an all-zero residual (probability 0 event): must fall back to p, not NaN."""
     p = torch.tensor([[[0.5, 0.5, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]]])
     q = torch.tensor([[[0.5, 0.5, 0.0, 0.0]]])
-    orig = verify_mod.torch.rand
-    verify_mod.torch.rand = lambda *s, generator=None, device=None, dtype=None: torch.ones(1, 1, dtype=dtype)
+    orig = verify_mod.acceptance_uniforms
+    verify_mod.acceptance_uniforms = lambda *s: torch.ones(1, 1, dtype=s[-1])
     try:
         out = verify_sampled(torch.tensor([[0]]), torch.tensor([1]), p, q, torch.Generator().manual_seed(0))
     finally:
-        verify_mod.torch.rand = orig
+        verify_mod.acceptance_uniforms = orig
     assert out.accepted.item() == 0 and out.bonus.item() in (0, 1)
 
 
@@ -252,3 +252,24 @@ def test_saguaro_probs_per_row_fanout_and_edge_cases():
     z1 = torch.tensor([[2.0, 1.0, 0.0]])
     out1 = saguaro_probs(z1, 1, 0.0)[0]
     assert out1[0] == 0 and torch.isclose(out1.sum(), torch.tensor(1.0))
+
+
+def test_sample_inverse_cdf_is_exact():
+    """sample(): the right frequencies (a 1% shift would fail at this size), zero-mass tokens never drawn,
+    unnormalised rows accepted, and a fixed generator reproduces the draws."""
+    from scipy.stats import chisquare
+
+    from hf_ssd.sampling import sample
+
+    p = torch.tensor([0.1, 0.0, 0.3, 0.6, 0.0])
+    n = 400_000
+    draws = sample((p * 7.0).expand(n, 5), torch.Generator().manual_seed(1))
+    counts = torch.bincount(draws, minlength=5)
+    assert counts[1] == 0 and counts[4] == 0
+    observed = counts[[0, 2, 3]].double().numpy()
+    exact = [0.1, 0.3, 0.6]
+    assert chisquare(observed, [x * n for x in exact]).pvalue > 1e-3
+    biased = [0.11, 0.29, 0.6]  # 1 point of mass moved
+    assert chisquare(observed, [x * n for x in biased]).pvalue < 1e-6
+    again = sample((p * 7.0).expand(n, 5), torch.Generator().manual_seed(1))
+    assert torch.equal(draws, again)

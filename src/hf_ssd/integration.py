@@ -80,26 +80,18 @@ def generate(
     ssd = kwargs.pop("ssd", None)
     ssd_config = kwargs.pop("ssd_config", None)
     ssd_keys = [k for k in kwargs if k.startswith("ssd_")]
+    shared = dict(inputs=inputs, generation_config=generation_config, logits_processor=logits_processor,
+                  stopping_criteria=stopping_criteria, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+                  synced_gpus=synced_gpus, negative_prompt_ids=negative_prompt_ids,
+                  negative_prompt_attention_mask=negative_prompt_attention_mask)
     if not ssd:
         # A custom_generate repo (e.g. ours, written by custom_generate_repo) takes its own ssd_* options.
         if (ssd_keys or ssd_config is not None) and not isinstance(custom_generate, str):
             raise TypeError(f"SSD options {ssd_keys or ['ssd_config']} were given without ssd=True; add ssd=True.")
-        return _ORIGINAL_GENERATE(
-            self,
-            inputs=inputs,
-            generation_config=generation_config,
-            logits_processor=logits_processor,
-            stopping_criteria=stopping_criteria,
-            prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
-            synced_gpus=synced_gpus,
-            assistant_model=assistant_model,
-            streamer=streamer,
-            negative_prompt_ids=negative_prompt_ids,
-            negative_prompt_attention_mask=negative_prompt_attention_mask,
-            custom_generate=custom_generate,
-            **({"ssd_config": ssd_config} if ssd_config is not None else {}),
-            **kwargs,
-        )
+        if ssd_config is not None:
+            kwargs["ssd_config"] = ssd_config
+        return _ORIGINAL_GENERATE(self, **shared, assistant_model=assistant_model, streamer=streamer,
+                                  custom_generate=custom_generate, **kwargs)
     if custom_generate is not None:
         raise ValueError("ssd=True already sets the decoding loop; drop custom_generate.")
     base = ssd_config if ssd_config is not None else _config_from_models(assistant_model, self)
@@ -121,35 +113,20 @@ def generate(
     if stop_strings is None and generation_config is not None:
         stop_strings = generation_config.stop_strings
         if stop_strings is not None:
-            generation_config = generation_config.__class__.from_dict({**generation_config.to_dict(), "stop_strings": None})
-    stopping_criteria = StoppingCriteriaList(stopping_criteria or [])
+            shared["generation_config"] = generation_config.__class__.from_dict(
+                {**generation_config.to_dict(), "stop_strings": None})
+    shared["stopping_criteria"] = StoppingCriteriaList(stopping_criteria or [])
     if stop_strings is not None:
         if tokenizer is None:
             raise ValueError("stop_strings needs the tokenizer: pass tokenizer=... to generate().")
-        stopping_criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+        shared["stopping_criteria"].append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
 
     ids = inputs if inputs is not None else kwargs.get("input_ids")
     batch_size = ids.shape[0] if ids is not None and ids.dim() == 2 else 1
-    decode = functools.partial(
-        _ssd_decode, draft=assistant_model, config=config, streamer=streamer, generator=generator,
-        worker=worker_handle,
-    )
-    functools.update_wrapper(decode, _ssd_decode)
-    checked = dict(kwargs)
-    result = _ORIGINAL_GENERATE(
-        self,
-        inputs=inputs,
-        generation_config=generation_config,
-        logits_processor=logits_processor,
-        stopping_criteria=stopping_criteria,
-        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
-        synced_gpus=synced_gpus,
-        negative_prompt_ids=negative_prompt_ids,
-        negative_prompt_attention_mask=negative_prompt_attention_mask,
-        custom_generate=_with_checks(decode, checked, batch_size, streamer),
-        **kwargs,
-    )
-    return result
+    decode = functools.partial(_ssd_decode, draft=assistant_model, config=config, streamer=streamer,
+                               generator=generator, worker=worker_handle)
+    return _ORIGINAL_GENERATE(self, **shared, custom_generate=_with_checks(decode, dict(kwargs), batch_size, streamer),
+                              **kwargs)
 
 
 def _with_checks(decode, kwargs, batch_size, streamer):

@@ -28,6 +28,11 @@ def draft_slots(n_drafts: torch.Tensor, K: int) -> torch.Tensor:
     return torch.arange(K, device=n_drafts.device)[None, :] < n_drafts[:, None]
 
 
+def acceptance_uniforms(B: int, K: int, generator, device, dtype) -> torch.Tensor:
+    """The u ~ U[0, 1) of the ratio test, one per draft slot (a seam the exact-enumeration tests replace)."""
+    return torch.rand(B, K, generator=generator, device=device, dtype=dtype)
+
+
 def verify_greedy(drafts: torch.Tensor, n_drafts: torch.Tensor, target_scores: torch.Tensor) -> Outcome:
     """Accept while the draft equals the target's argmax; the bonus is the argmax at the first mismatch.
 
@@ -56,7 +61,7 @@ def verify_sampled(
     B, K = drafts.shape
     p_d = p[:, :K].gather(2, drafts[..., None]).squeeze(2)
     q_d = q.gather(2, drafts[..., None]).squeeze(2)
-    u = torch.rand(B, K, generator=generator, device=p.device, dtype=p.dtype)
+    u = acceptance_uniforms(B, K, generator, p.device, p.dtype)
     ok = (u * q_d < p_d) & draft_slots(n_drafts, K)
     k = leading_true(ok)
     rows = torch.arange(B, device=p.device)
