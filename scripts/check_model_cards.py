@@ -101,9 +101,16 @@ def results_table(reports: list[tuple[Path, dict]]) -> str:
             ]) + " |")
         machine = rep.get("machine", {})
         parts.append(f"Measured by hf_ssd ({rep.get('created', '?')}, `{path.name}`, machine: "
-                     f"{machine.get('cpu') or machine.get('device') or json.dumps(machine)[:80]}). Command:\n\n"
+                     f"{_machine_text(machine)}). Command:\n\n"
                      f"```\n{rep.get('command')}\n```\n\n" + "\n".join(rows))
     return "\n\n".join(parts)
+
+
+def _machine_text(machine: dict) -> str:
+    cpu = machine.get("cpu_model") or machine.get("cpu") or machine.get("device") or machine.get("processor") or "?"
+    cores = f", {machine['cpu_count']} cores" if machine.get("cpu_count") else ""
+    mem = f", {machine['mem_total_gb']} GB" if machine.get("mem_total_gb") else ""
+    return f"{cpu}{cores}{mem}"
 
 
 def fill(cards: Path, benchmarks: Path) -> list[str]:
