@@ -14,18 +14,19 @@ Thread settings (CPU):
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
-import math
 import os
 import platform
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .aggregate import add_speedups, aggregate_runs, greedy_equal, safe_div  # noqa: F401
+from .workload import left_pad, load_bench_prompts, load_models, new_tokens
 
 SETTINGS = ("paper", "equal")
 
@@ -81,118 +82,6 @@ class Method:
     @property
     def batch1_only(self) -> bool:
         return self.kind == "hf"
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# models, tokenizers, prompts
-
-
-class ByteTokenizer:
-    """A toy byte-level tokenizer for the --tiny random models: id = byte + 2, 0 = pad, 1 = eos."""
-
-    chat_template = None
-    pad_token_id = 0
-    eos_token_id = 1
-    vocab_size = 258
-
-    def encode(self, text: str) -> list[int]:
-        return [b + 2 for b in text.encode("utf-8")]
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return bytes(int(i) - 2 for i in ids if int(i) >= 2).decode("utf-8", errors="replace")
-
-
-def tiny_pair(seed: int = 0):
-    """Random tiny Qwen2 target + a noisy copy as draft (partial agreement), float32, eval mode."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    tok = ByteTokenizer()
-    cfg = Qwen2Config(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    target = Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():  # sharpen the random logits so greedy decoding has clear argmaxes
-        target.lm_head.weight.mul_(8.0)
-    draft = copy.deepcopy(target)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.02 * (p.std() if p.numel() > 1 else 1.0))
-    for m in (target, draft):
-        m.generation_config.pad_token_id = tok.pad_token_id
-        m.generation_config.eos_token_id = tok.eos_token_id
-    return target, draft, tok
-
-
-def load_models(cfg: BenchConfig):
-    """(target, draft, tokenizer, description dict)."""
-    dtype = getattr(torch, cfg.dtype)
-    if cfg.tiny:
-        t, d, tok = tiny_pair(cfg.seed)
-        return t, d, tok, {"pair": "tiny (random Qwen2, 2 layers, hidden 64, byte vocab)", "dtype": "float32"}
-    if cfg.target or cfg.draft:
-        if not (cfg.target and cfg.draft):
-            raise ValueError("give both --target and --draft")
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).eval()
-        draft = AutoModelForCausalLM.from_pretrained(cfg.draft, dtype=dtype).eval()
-        tok = AutoTokenizer.from_pretrained(cfg.target)
-        return target, draft, tok, {"pair": f"{cfg.target} + {cfg.draft}", "dtype": cfg.dtype}
-    from ..assets import PAIRS, load_default_pair, load_model
-
-    if cfg.pair == "default":
-        target, draft, tok = load_default_pair(dtype=dtype)
-    else:
-        spec = PAIRS[cfg.pair]
-        if spec.draft is None:
-            raise ValueError(f"pair {cfg.pair!r} has no draft model; use --pair default or --target/--draft")
-        target, tok = load_model(spec.target, dtype)
-        draft, _ = load_model(spec.draft, dtype)
-    return target, draft, tok, {"pair": f"{cfg.pair}: {PAIRS[cfg.pair].description}", "dtype": cfg.dtype}
-
-
-def load_bench_prompts(cfg: BenchConfig, tokenizer) -> list[dict[str, Any]]:
-    """Prompts of every set as dicts id/set/category/prompt/input_ids (chat template applied, tokens capped)."""
-    from ..prompts import format_chat, load_prompts
-
-    rows = []
-    for name in cfg.prompts:
-        ds = load_prompts(name, cfg.num_prompts, seed=cfg.seed, max_chars=4000)
-        for r in ds:
-            text = format_chat(tokenizer, r["prompt"])
-            ids = list(tokenizer.encode(text))
-            if cfg.tiny:
-                ids = ids[-min(cfg.max_prompt_tokens, 48):]  # keep CI runs to seconds
-            else:
-                ids = ids[-cfg.max_prompt_tokens:]
-            rows.append({"id": r["id"], "set": name, "category": r["category"], "input_ids": ids})
-    return rows
-
-
-def left_pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n = max(len(x) for x in batch)
-    ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), n), dtype=torch.long)
-    for i, x in enumerate(batch):
-        ids[i, n - len(x):] = torch.tensor(x, dtype=torch.long)
-        mask[i, n - len(x):] = 1
-    return ids, mask
-
-
-def new_tokens(sequences: torch.Tensor, prompt_len: int, eos_ids: set[int]) -> list[list[int]]:
-    """Generated tokens per row, cut after the first EOS (padding after it dropped)."""
-    out = []
-    for row in sequences[:, prompt_len:].tolist():
-        toks = []
-        for t in row:
-            toks.append(int(t))
-            if int(t) in eos_ids:
-                break
-        out.append(toks)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -360,105 +249,6 @@ def generate_once(method: Method, target, draft, ids, mask, *, cfg: BenchConfig,
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# aggregation (pure arithmetic, unit-tested)
-
-
-def safe_div(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0 or (isinstance(b, float) and math.isnan(b)):
-        return None
-    return a / b
-
-
-def aggregate_runs(runs: list[dict[str, Any]], batch: int) -> dict[str, Any]:
-    """Totals over the timed runs of one (setting, temperature, batch, method).
-
-    tokens_per_s_e2e    = Σ new tokens / Σ wall
-    tokens_per_s_decode = Σ (new tokens − one per row) / Σ (wall − time to first token)
-    mean_tokens_per_round = Σ emitted / Σ row-rounds (SD/SSD; from ssd_stats)
-    hit_rate            = Σ cache hits / Σ cache lookups
-    verify_s etc.       = round-weighted means of ssd_stats.phase_means_s
-    round_limit_tps     = batch × mean_tokens_per_round / mean verify time (drafting fully hidden)
-    fraction_of_round_limit = tokens_per_s_decode / round_limit_tps
-    """
-    n_tok = sum(sum(len(t) for t in r["tokens"]) for r in runs)
-    rows = sum(len(r["tokens"]) for r in runs)
-    wall = sum(r["wall_s"] for r in runs)
-    dec_time = sum(r["wall_s"] - r["ttft_s"] for r in runs)
-    out: dict[str, Any] = {
-        "runs": len(runs), "new_tokens": n_tok, "wall_s": wall,
-        "ttft_s": safe_div(sum(r["ttft_s"] for r in runs), len(runs)),
-        "tokens_per_s_e2e": safe_div(n_tok, wall),
-        "tokens_per_s_decode": safe_div(n_tok - rows, dec_time) if dec_time > 0 else None,
-        "peak_rss_mb": max((r["peak_rss_bytes"] for r in runs), default=0) / 2**20,
-    }
-    stats = [r["ssd_stats"] for r in runs if r.get("ssd_stats")]
-    if stats:
-        emitted = sum(s["emitted"] for s in stats)
-        row_rounds = sum(sum(s["accept_hist"].values()) for s in stats)
-        lookups = sum(s["cache_lookups"] for s in stats)
-        rounds = sum(s["rounds"] or len(s.get("accept_hist", {})) for s in stats)
-        phases: dict[str, float] = {}
-        for key in ("verify", "draft", "resolve", "round"):
-            num = den = 0.0
-            for s in stats:
-                v = (s.get("phase_means_s") or {}).get(key)
-                w = s.get("rounds") or 0
-                if v is not None and w:
-                    num, den = num + v * w, den + w
-            phases[key] = num / den if den else None
-        ov = [s["overlap_fraction"] for s in stats if s.get("overlap_fraction") is not None]
-        out.update({
-            "mean_tokens_per_round": safe_div(emitted, row_rounds),
-            "mean_accepted_per_round": safe_div(sum(s["accepted"] for s in stats), row_rounds),
-            "hit_rate": safe_div(sum(s["cache_hits"] for s in stats), lookups) if lookups else None,
-            "rounds": rounds, "phase_means_s": phases,
-            "overlap_fraction": sum(ov) / len(ov) if ov else None,
-            "budget": stats[-1].get("budget"), "fallback_reason": next(
-                (s["fallback_reason"] for s in stats if s.get("fallback_reason")), None),
-            "backup_rounds": _sum_counts([s.get("backup_rounds") or {} for s in stats]),
-        })
-        limit = safe_div(batch * out["mean_tokens_per_round"], phases["verify"]) \
-            if out["mean_tokens_per_round"] is not None else None
-        out["round_limit_tps"] = limit
-        out["fraction_of_round_limit"] = safe_div(out["tokens_per_s_decode"], limit)
-    else:
-        out.update({"mean_tokens_per_round": None, "mean_accepted_per_round": None, "hit_rate": None,
-                    "round_limit_tps": None, "fraction_of_round_limit": None, "phase_means_s": None,
-                    "overlap_fraction": None})
-    return out
-
-
-def _sum_counts(dicts: list[dict[str, int]]) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for d in dicts:
-        for k, v in d.items():
-            total[str(k)] = total.get(str(k), 0) + int(v)
-    return total
-
-
-def add_speedups(results: list[dict[str, Any]]) -> None:
-    """speedup_vs_plain / _vs_hf_best / _vs_sd within each (setting, temperature, batch) group, on decode tok/s
-    and on end-to-end tok/s (suffix _e2e). hf_best = the fastest transformers schedule of the group."""
-    groups: dict[tuple, list[dict[str, Any]]] = {}
-    for r in results:
-        groups.setdefault((r["setting"], r["temperature"], r["batch_size"]), []).append(r)
-    for rs in groups.values():
-        for metric, suffix in (("tokens_per_s_decode", ""), ("tokens_per_s_e2e", "_e2e")):
-            by = {r["method"]: r[metric] for r in rs}
-            hf = [v for m, v in by.items() if m.startswith("hf:") and v]
-            refs = {"plain": by.get("plain"), "hf_best": max(hf) if hf else None, "sd": by.get("sd")}
-            for r in rs:
-                for ref, v in refs.items():
-                    r[f"speedup_vs_{ref}{suffix}"] = safe_div(r[metric], v)
-
-
-def greedy_equal(outputs: list[list[int]], reference: list[list[int]]) -> tuple[bool, int]:
-    """(all equal, number of rows that differ) between a method's per-row tokens and plain's."""
-    diff = sum(1 for a, b in zip(outputs, reference) if a != b) + abs(len(outputs) - len(reference))
-    return diff == 0, diff
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # the loop
 
 
@@ -510,8 +300,6 @@ def versions() -> dict[str, str]:
 
 def run_bench(cfg: BenchConfig, models=None, command: str | None = None) -> dict[str, Any]:
     """Run every method on the same prompt batches; return the report dict (see report.validate_report)."""
-    from tqdm.auto import tqdm
-
     import hf_ssd  # noqa: F401
 
     t_start = time.perf_counter()

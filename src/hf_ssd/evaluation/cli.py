@@ -67,7 +67,9 @@ def run(args) -> int:
     print(f"hf-ssd eval: {pair}; {len(rows)} prompts, mode={args.mode}, K={args.num_draft_tokens}")
 
     plain_out, ssd_out, stats, t_plain, t_ssd = [], [], [], 0.0, 0.0
-    for r in rows:
+    from tqdm.auto import tqdm
+
+    for r in tqdm(rows, desc="plain vs SSD", unit="prompt"):
         ids = tok(format_chat(tok, r["prompt"]), return_tensors="pt")
         P = ids.input_ids.shape[1]
         gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
@@ -82,7 +84,7 @@ def run(args) -> int:
         stats.append(b.ssd_stats)
         same = plain_out[-1] == ssd_out[-1]
         print(f"  {r['id']:<22} plain {t1 - t0:6.1f}s  ssd {t2 - t1:6.1f}s  identical={same}  "
-              f"accepted/round={b.ssd_stats['mean_accepted']:.2f} hit_rate={b.ssd_stats['hit_rate']}")
+              f"accepted/round={b.ssd_stats['mean_accepted']:.2f} hit_rate={b.ssd_stats['hit_rate']}", flush=True)
 
     fidelity = metrics.load("ssd_fidelity").compute(predictions=ssd_out, references=plain_out)
     acceptance = metrics.load("ssd_acceptance").compute(**metrics.acceptance_inputs(stats))
