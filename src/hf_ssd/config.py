@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 CONFIG_NAME = "ssd_config.json"

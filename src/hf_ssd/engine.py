@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-from .draft import SOURCE_NAMES, Speculation
+from .draft import Speculation
 from .kv import CachedModel
 from .processing import group_by_length, process_block
 from .stats import RoundRecord, SSDStats

@@ -11,7 +11,7 @@ import torch
 
 from .backup import BackupPolicy
 from .config import SSDConfig
-from .draft import SOURCE_CACHE, SOURCE_JIT, SOURCE_NGRAM, DraftModel, Speculation
+from .draft import SOURCE_CACHE, SOURCE_NAMES, SOURCE_NGRAM, DraftModel, Speculation
 from .fanout import FanoutPlanner
 from .ngram import ngram_batch
 from .sampling import point_mass
@@ -156,8 +156,7 @@ class SaguaroDrafter:
                 better[int(spec.tokens[b, kb])] = False  # the rejected draft is not among the guesses
             source = int(spec.source[b])
             self.planner.observe(source == SOURCE_CACHE, kb, n_b, bonus_rank=int(better.sum()))
-            name = {SOURCE_CACHE: "cache", SOURCE_JIT: "jit", SOURCE_NGRAM: "ngram"}[source]
-            self.backup.tokens[name].add(kb + 1)
+            self.backup.tokens[SOURCE_NAMES[source]].add(kb + 1)
             self.backup.p_hit.add(float(hit[b]))
         if last is not None:
             self.backup.t_verify.add(last.verify_end - last.verify_start)

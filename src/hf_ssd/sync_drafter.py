@@ -4,7 +4,6 @@ It is the baseline SSD must beat and the exact path SSD falls back to when its o
 """
 from __future__ import annotations
 
-import time
 
 import torch
 
