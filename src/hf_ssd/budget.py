@@ -8,8 +8,9 @@ from __future__ import annotations
 import time
 
 import torch
+from transformers import DynamicCache
 
-from .kv import input_device
+from .kv import cache_argument, input_device
 
 _MEASURED: dict[tuple, int] = {}
 CANDIDATES = (1, 2, 4, 8, 16, 32)
@@ -20,12 +21,13 @@ def _time_forward(model, batch: int, n: int, prefix: int = 32, repeats: int = 2)
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (batch, prefix + n), device=device)
     best = float("inf")
+    cache = DynamicCache()
+    cache_kw = cache_argument(model)
     with torch.no_grad():
-        out = model(input_ids=ids[:, :prefix], use_cache=True)
+        model(input_ids=ids[:, :prefix], use_cache=True, **{cache_kw: cache})
         for _ in range(repeats):
-            cache = out.past_key_values
             start = time.perf_counter()
-            model(input_ids=ids[:, prefix:], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, prefix:], use_cache=True, **{cache_kw: cache})
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             best = min(best, time.perf_counter() - start)

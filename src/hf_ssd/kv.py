@@ -8,6 +8,8 @@ are cropped; rows that finished are dropped from the batch.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
@@ -17,6 +19,11 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 def input_device(model: PreTrainedModel) -> torch.device:
     """Where inputs go: the input embeddings' device (model.device can be `meta` under offload)."""
     return model.get_input_embeddings().weight.device
+
+
+def cache_argument(model: PreTrainedModel) -> str:
+    """The forward() keyword for the KV cache: `cache` from transformers 5.24 on (`past_key_values` deprecated)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def attention_layout(model: PreTrainedModel) -> tuple[list[str] | None, int | None]:
@@ -49,6 +56,7 @@ class CachedModel:
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device)
         self.pos = torch.zeros(batch_size, 0, dtype=torch.long, device=self.device)
         self.forwards = 0
+        self.cache_kw = cache_argument(model)
 
     @property
     def length(self) -> int:
@@ -101,7 +109,7 @@ class CachedModel:
         else:
             mask = self._mask(attend, positions, self.window)
         out = self.model(
-            input_ids=tokens, position_ids=positions, attention_mask=mask, past_key_values=self.cache, use_cache=True
+            input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True, **{self.cache_kw: self.cache}
         )
         self.valid = torch.cat([self.valid, new_valid], dim=1)
         self.pos = torch.cat([self.pos, positions], dim=1)
