@@ -144,9 +144,6 @@ class PeakRSS:
         return False
 
 
-_PROCESS: dict[str, Any] = {}  # the kept DraftProcess of a run, if the process worker is benchmarked
-
-
 def available_workers(target, draft, requested: tuple[str, ...] | None = None) -> tuple[list[str], dict[str, str]]:
     """Worker kinds that really run: each is tried on a 4-token prompt; a NotImplementedError (or a run whose
     stats report another worker) skips it. Returns (available, {skipped kind: reason})."""
@@ -204,8 +201,9 @@ def _set_hf_schedule(draft, name: str, K: int) -> dict[str, Any]:
 
 
 def generate_once(method: Method, target, draft, ids, mask, *, cfg: BenchConfig, setting: str, temperature: float,
-                  pad_id: int, eos_ids: set[int], max_new_tokens: int | None = None) -> dict[str, Any]:
-    """One timed generation; returns tokens per row, wall/ttft seconds, ssd_stats, peak RSS."""
+                  pad_id: int, eos_ids: set[int], max_new_tokens: int | None = None, process=None) -> dict[str, Any]:
+    """One timed generation; returns tokens per row, wall/ttft seconds, ssd_stats, peak RSS.
+    `process`: the run's kept DraftProcess, used by the process worker so its start-up is never timed."""
     import hf_ssd  # noqa: F401
     from transformers import StoppingCriteriaList
 
@@ -226,8 +224,8 @@ def generate_once(method: Method, target, draft, ids, mask, *, cfg: BenchConfig,
         kw.update(assistant_model=draft, ssd=True, ssd_mode="sync" if method.kind == "sd" else "ssd",
                   ssd_num_draft_tokens=cfg.K)
         if method.kind == "ssd":
-            worker = _PROCESS.get("worker") if method.option == "process" else None
-            kw.update(ssd_worker=worker or method.option, ssd_downweight=cfg.downweight)
+            kept = process if method.option == "process" else None
+            kw.update(ssd_worker=kept or method.option, ssd_downweight=cfg.downweight)
             if cfg.budget is not None:
                 kw["ssd_budget"] = cfg.budget
             if th["target"] is not None:
@@ -319,20 +317,21 @@ def run_bench(cfg: BenchConfig, models=None, command: str | None = None) -> dict
     prompts = load_bench_prompts(cfg, tok)
     workers, skipped = available_workers(target, draft, cfg.workers) if "ssd" in cfg.methods else ([], {})
     methods = plan_methods(cfg, workers)
+    process = None
     if "process" in workers:  # one kept draft process for all runs: its start-up is not part of any timing
         from ..process_worker import DraftProcess
 
-        _PROCESS["worker"] = DraftProcess(draft)
+        process = DraftProcess(draft)
     try:
         return _run_units(cfg, command, target, draft, tok, model_info, prompts, workers, skipped, methods, pad_id,
-                          eos_ids, t_start, load_at_start)
+                          eos_ids, t_start, load_at_start, process)
     finally:
-        if "worker" in _PROCESS:
-            _PROCESS.pop("worker").close()
+        if process is not None:
+            process.close()
 
 
 def _run_units(cfg, command, target, draft, tok, model_info, prompts, workers, skipped, methods, pad_id, eos_ids,
-               t_start, load_at_start) -> dict[str, Any]:
+               t_start, load_at_start, process) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     units = []
@@ -353,14 +352,14 @@ def _run_units(cfg, command, target, draft, tok, model_info, prompts, workers, s
         for w in range(cfg.warmup):  # untimed: first-call allocations, budget measurement, thread pools
             ids, mask = left_pad([p["input_ids"] for p in batches[w % len(batches)]], pad_id)
             generate_once(m, target, draft, ids, mask, cfg=cfg, setting=setting, temperature=temp, pad_id=pad_id,
-                          eos_ids=eos_ids, max_new_tokens=min(8, cfg.max_new_tokens))
+                          eos_ids=eos_ids, max_new_tokens=min(8, cfg.max_new_tokens), process=process)
             bar.update()
         runs = []
         for bi, batch in enumerate(batches):
             ids, mask = left_pad([p["input_ids"] for p in batch], pad_id)
             for rep in range(cfg.repeats):
                 r = generate_once(m, target, draft, ids, mask, cfg=cfg, setting=setting, temperature=temp,
-                                  pad_id=pad_id, eos_ids=eos_ids)
+                                  pad_id=pad_id, eos_ids=eos_ids, process=process)
                 bar.update()
                 key = (setting, temp, b, bi)
                 eq = None
