@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import hf_ssd  # noqa: F401
+from conftest import shallow_copy
 
 SCRIPT = Path(__file__).parent / "scripts" / "tp_generate.py"
 
@@ -24,8 +25,7 @@ def saved_pair(tmp_path_factory):
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3)
     target = LlamaForCausalLM(cfg).eval()
-    draft = LlamaForCausalLM(LlamaConfig(**{**cfg.to_dict(), "num_hidden_layers": 1})).eval()
-    draft.load_state_dict({k: v for k, v in target.state_dict().items() if "layers.1." not in k}, strict=False)
+    draft = shallow_copy(target)
     target.save_pretrained(root / "target")
     draft.save_pretrained(root / "target-draft")
     return root, target, draft

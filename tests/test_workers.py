@@ -11,6 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_ssd  # noqa: F401
+from conftest import shallow_copy
 from hf_ssd.process_worker import ProcessDrafter
 from hf_ssd.saguaro import SaguaroDrafter
 from hf_ssd.workers import live_worker_threads
@@ -24,8 +25,7 @@ def pair():
     cfg = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.4)
     target = LlamaForCausalLM(cfg).eval()
-    draft = LlamaForCausalLM(LlamaConfig(**{**cfg.to_dict(), "num_hidden_layers": 1})).eval()
-    draft.load_state_dict({k: v for k, v in target.state_dict().items() if "layers.1." not in k}, strict=False)
+    draft = shallow_copy(target)
     prompts = torch.randint(0, 96, (3, 9), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(prompts)
     mask[1, :4] = 0
@@ -120,21 +120,30 @@ def test_fault_in_last_round(pair, monkeypatch):
     no_leaks()
 
 
+def _at_process_begin(monkeypatch, at_round: int, action) -> None:
+    """Run `action(drafter, spec)` at the `at_round`-th ProcessDrafter.begin; it returns True to skip the real one."""
+    original = ProcessDrafter.begin
+    calls = {"n": 0}
+
+    def patched(self, spec):
+        calls["n"] += 1
+        if calls["n"] == at_round and action(self, spec):
+            return None
+        return original(self, spec)
+
+    monkeypatch.setattr(ProcessDrafter, "begin", patched)
+
+
 @pytest.mark.parametrize("at_round", [1, 3])
 def test_killed_process_worker_loses_nothing(pair, monkeypatch, at_round):
     target, draft, prompts, mask = pair
     ref = target.generate(prompts, attention_mask=mask, max_new_tokens=16, do_sample=False)
-    original = ProcessDrafter.begin
-    calls = {"n": 0}
+    def kill(drafter, spec):
+        os.kill(drafter.process.pid, signal.SIGKILL)
+        drafter.process.join(timeout=10)
+        return False  # then run the real begin on the dead process
 
-    def kill_then_begin(self, spec):
-        calls["n"] += 1
-        if calls["n"] == at_round:
-            os.kill(self.process.pid, signal.SIGKILL)
-            self.process.join(timeout=10)
-        return original(self, spec)
-
-    monkeypatch.setattr(ProcessDrafter, "begin", kill_then_begin)
+    _at_process_begin(monkeypatch, at_round, kill)
     with pytest.warns(RuntimeWarning, match="draft process died"):
         out = target.generate(prompts, attention_mask=mask, max_new_tokens=16, do_sample=False, assistant_model=draft,
                               ssd=True, ssd_worker="process", ssd_budget=6)
@@ -146,17 +155,11 @@ def test_process_worker_error_reported(pair, monkeypatch):
     """An exception inside the child (here: a malformed command) comes back as a fallback with its traceback."""
     target, draft, prompts, mask = pair
     ref = target.generate(prompts, attention_mask=mask, max_new_tokens=16, do_sample=False)
-    original = ProcessDrafter.begin
-    calls = {"n": 0}
+    def poison(drafter, spec):
+        drafter.conn.send(("begin", "not a speculation"))
+        return True  # replaces the real begin
 
-    def poison(self, spec):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            self.conn.send(("begin", "not a speculation"))
-            return None
-        return original(self, spec)
-
-    monkeypatch.setattr(ProcessDrafter, "begin", poison)
+    _at_process_begin(monkeypatch, 2, poison)
     with pytest.warns(RuntimeWarning, match="draft process failed"):
         out = target.generate(prompts, attention_mask=mask, max_new_tokens=16, do_sample=False, assistant_model=draft,
                               ssd=True, ssd_worker="process", ssd_budget=6)

@@ -124,6 +124,17 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def _save(fig, ax, path: Path) -> str:
+    """Legend, layout, PNG, close: the same ending for every plot. Returns the file name."""
+    import matplotlib.pyplot as plt
+
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
 def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     import matplotlib
 
@@ -163,11 +174,7 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     ax.set_ylabel("speedup over plain (end-to-end tok/s)")
     ax.set_title(f"{tag}: speedup by method and prompt category\n(setting={setting}, T={temp}, batch={b0})",
                  fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / PLOTS[0], dpi=110)
-    plt.close(fig)
-    written.append(PLOTS[0])
+    written.append(_save(fig, ax, out / PLOTS[0]))
 
     # 2. tok/s vs batch size per method (first setting, T=first)
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -182,11 +189,7 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     ax.set_xlabel("batch size")
     ax.set_ylabel("decode tokens/s (all rows)")
     ax.set_title(f"{tag}: tokens/s vs batch size (setting={s0}, T={t0})")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / PLOTS[1], dpi=110)
-    plt.close(fig)
-    written.append(PLOTS[1])
+    written.append(_save(fig, ax, out / PLOTS[1]))
 
     # 3. cache hit rate vs temperature (SSD methods)
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -200,11 +203,7 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     ax.set_xlabel("temperature")
     ax.set_ylabel("cache hit rate")
     ax.set_title(f"{tag}: SSD cache hit rate vs temperature (batch={b0})")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / PLOTS[2], dpi=110)
-    plt.close(fig)
-    written.append(PLOTS[2])
+    written.append(_save(fig, ax, out / PLOTS[2]))
     return written
 
 
