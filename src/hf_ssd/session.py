@@ -51,15 +51,18 @@ def run_session(
     def make_draft_model(batch: int, downweight: float) -> DraftModel:
         return DraftModel(draft, batch, vocab, draft_processors, greedy, downweight, d_gen)
 
+    made_by_fallback: list = []
+
     def fallback(failed):
-        # First failure: the exact synchronous drafter on fresh caches; if that fails too: no drafts at all.
-        if isinstance(failed, (SyncDrafter, NullDrafter)) and not getattr(failed, "is_primary", False):
+        # First failure: the exact synchronous drafter on fresh caches. If a drafter made here fails too, the draft
+        # model itself is the problem: no drafts at all.
+        if isinstance(failed, NullDrafter) or any(failed is d for d in made_by_fallback):
             return NullDrafter(config.num_draft_tokens, input_device(target))
-        return SyncDrafter(make_draft_model(0, 1.0), config.num_draft_tokens, stats)
+        made_by_fallback.append(SyncDrafter(make_draft_model(0, 1.0), config.num_draft_tokens, stats))
+        return made_by_fallback[-1]
 
     if config.mode == "sync":
         drafter = SyncDrafter(make_draft_model(B, 1.0), config.num_draft_tokens, stats)
-        drafter.is_primary = True
         stats.worker = "inline"
     else:
         from .budget import measure_budget
