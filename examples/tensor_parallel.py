@@ -22,7 +22,7 @@ if args.tiny or os.environ.get("HF_SSD_TINY") == "1":
     path = tempfile.mkdtemp(prefix=f"hf-ssd-tp-{rank}-")  # every rank saves its identical copy
     reference_target.save_pretrained(path)
 else:
-    from hf_ssd.assets import prepare
+    from hf_ssd.tools.assets import prepare
 
     [path] = prepare("qwen-1.5b")
 tp = {"tp_plan": "auto"} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {}

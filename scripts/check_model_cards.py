@@ -27,7 +27,7 @@ def _metadata(readme: Path) -> dict:
 
 
 def check_card(card_dir: Path) -> list[str]:
-    from hf_ssd.hub import from_pretrained
+    from hf_ssd.hf.hub import from_pretrained
 
     errs: list[str] = []
     readme, cfg = card_dir / "README.md", card_dir / "ssd_config.json"

@@ -12,8 +12,8 @@ import torch
 from tqdm import tqdm
 
 import hf_ssd  # noqa: F401
-from hf_ssd.assets import load_default_pair
-from hf_ssd.prompts import format_chat, load_prompts
+from hf_ssd.tools.assets import load_default_pair
+from hf_ssd.tools.prompts import format_chat, load_prompts
 
 
 def main() -> None:

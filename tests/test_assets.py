@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_ssd import assets
-from hf_ssd.assets import AssetError, ModelSpec, Part
+from hf_ssd.tools import assets
+from hf_ssd.tools.assets import AssetError, ModelSpec, Part
 
 
 @pytest.fixture(autouse=True)

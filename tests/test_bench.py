@@ -6,13 +6,13 @@ import json
 import pytest
 import torch
 
-from hf_ssd.bench import BenchConfig, run_bench, validate_report, write_report
-from hf_ssd.bench.cli import add_arguments, config_from_args
-from hf_ssd.bench.report import PLOTS, markdown_table
-from hf_ssd.bench.aggregate import add_speedups, aggregate_runs, greedy_equal
-from hf_ssd.bench.runner import Method, threads_for
-from hf_ssd.bench.workload import ByteTokenizer, left_pad, load_bench_prompts, new_tokens
-from hf_ssd.bench.simulate import PAPER, PaperAssumptions, measured_vs_predicted, paper_prediction, simulate
+from hf_ssd.tools.bench import BenchConfig, run_bench, validate_report, write_report
+from hf_ssd.tools.bench.cli import add_arguments, config_from_args
+from hf_ssd.tools.bench.report import PLOTS, markdown_table
+from hf_ssd.tools.bench.aggregate import add_speedups, aggregate_runs, greedy_equal
+from hf_ssd.tools.bench.runner import Method, threads_for
+from hf_ssd.tools.bench.workload import ByteTokenizer, left_pad, load_bench_prompts, new_tokens
+from hf_ssd.tools.bench.simulate import PAPER, PaperAssumptions, measured_vs_predicted, paper_prediction, simulate
 
 
 def _stats(emitted, hist, hits, lookups, verify, draft, resolve, rounds):

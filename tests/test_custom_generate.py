@@ -9,8 +9,8 @@ from transformers import GenerationMixin
 
 import hf_ssd
 from hf_ssd import SSDConfig
-from hf_ssd.custom_generate_repo import write_custom_generate_repo
-from hf_ssd.evaluation.tiny import tiny_pair
+from hf_ssd.hf.custom_generate_repo import write_custom_generate_repo
+from hf_ssd.tools.evaluation.tiny import tiny_pair
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,7 @@ def test_tensor_parallel_example_under_torchrun():
 def test_eval_cli_tiny(tmp_path, capsys):
     import json
 
-    from hf_ssd.cli import main
+    from hf_ssd.tools.cli import main
 
     out = tmp_path / "report.json"
     rc = main(["eval", "--tiny", "--num-prompts", "1", "--max-new-tokens", "8", "--samples", "16",

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from hf_ssd.fanout import (
+from hf_ssd.core.fanout import (
     R_MAX,
     R_MIN,
     AcceptanceEstimator,

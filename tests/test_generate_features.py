@@ -211,7 +211,7 @@ def test_generate_without_ssd_is_unchanged():
         hf_ssd.disable()
         try:
             assert not hf_ssd.is_enabled()
-            assert GenerationMixin.generate is hf_ssd.integration._ORIGINAL_GENERATE
+            assert GenerationMixin.generate is hf_ssd.hf.generate._ORIGINAL_GENERATE
             off_greedy = p.target.generate(ids, **kw)
             transformers.set_seed(3)
             off_sample = p.target.generate(ids, do_sample=True, **kw)

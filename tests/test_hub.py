@@ -9,9 +9,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_ssd  # noqa: F401
-from hf_ssd import SSDConfig, hub
+from hf_ssd import SSDConfig
+from hf_ssd.hf import hub
 from hf_ssd.config import CONFIG_NAME, CONFIG_VERSION
-from hf_ssd.evaluation.tiny import tiny_pair
+from hf_ssd.tools.evaluation.tiny import tiny_pair
 
 
 def test_round_trip_dir_and_file(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hf_ssd import metrics
+from hf_ssd.tools import metrics
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_acceptance_known_values():
 def test_acceptance_inputs_from_generate_stats():
     import torch
 
-    from hf_ssd.evaluation.tiny import tiny_pair
+    from hf_ssd.tools.evaluation.tiny import tiny_pair
 
     target, draft, tok = tiny_pair()
     enc = tok(["ab", "hello"], return_tensors="pt", padding=True)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_ssd import prompts
-from hf_ssd.prompts import PROMPT_SETS, data_file, format_chat, iter_json_array, load_prompts
+from hf_ssd.tools import prompts
+from hf_ssd.tools.prompts import PROMPT_SETS, data_file, format_chat, iter_json_array, load_prompts
 
 
 def _need(name: str) -> None:
@@ -144,11 +144,11 @@ def test_format_chat_fakes() -> None:
 
 
 def test_format_chat_real_tokenizer() -> None:
-    from hf_ssd import assets
+    from hf_ssd.tools import assets
 
     spec = assets.MODELS["smollm2"]
     if not assets._is_converted(spec):
-        pytest.skip("smollm2 not converted yet (run hf_ssd.assets.prepare('smollm2'))")
+        pytest.skip("smollm2 not converted yet (run hf_ssd.tools.assets.prepare('smollm2'))")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(assets.cache_dir() / "models" / spec.name)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hf_ssd  # noqa: F401
-from hf_ssd import assets
+from hf_ssd.tools import assets
 
 
 def _need(name: str) -> None:

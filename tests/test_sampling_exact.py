@@ -27,11 +27,11 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-import hf_ssd.draft as draft_mod
-import hf_ssd.engine as engine_mod
+import hf_ssd.draft.model as draft_mod
+import hf_ssd.runtime.engine as engine_mod
 from conftest import noisy_copy
-from hf_ssd.sampling import sample, saguaro_probs
-from hf_ssd.verify import verify_sampled
+from hf_ssd.core.sampling import sample, saguaro_probs
+from hf_ssd.core.verify import verify_sampled
 
 V = 4
 L = 3

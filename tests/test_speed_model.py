@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hf_ssd.speed_model import (
+from hf_ssd.core.speed_model import (
     AR_SPEEDUP,
     RoundTimings,
     backup_threshold,

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from conftest import ARCHS, get_pair, left_pad, prompt
-from hf_ssd.kv import CachedModel
-from hf_ssd.tree import Forks, fork, tree_attend, tree_attend_reference
+from hf_ssd.runtime.kv import CachedModel
+from hf_ssd.core.tree import Forks, fork, tree_attend, tree_attend_reference
 
 ATOL = 1e-4
 
@@ -113,9 +113,9 @@ def test_saguaro_cache_tokens_follow_their_branch():
     """SaguaroDrafter end to end on a greedy draft: each cached branch holds the draft's own greedy continuation
     of prompt + accepted drafts + the guessed bonus token."""
     from hf_ssd.config import SSDConfig
-    from hf_ssd.draft import DraftModel, Speculation, SOURCE_JIT
-    from hf_ssd.saguaro import SaguaroDrafter
-    from hf_ssd.stats import SSDStats
+    from hf_ssd.draft.model import DraftModel, Speculation, SOURCE_JIT
+    from hf_ssd.draft.saguaro import SaguaroDrafter
+    from hf_ssd.runtime.stats import SSDStats
     from transformers import LogitsProcessorList
 
     model = get_pair("gemma3").target

@@ -12,9 +12,9 @@ import itertools
 import pytest
 import torch
 
-import hf_ssd.verify as verify_mod
-from hf_ssd.sampling import point_mass, saguaro_probs
-from hf_ssd.verify import draft_slots, leading_true, verify_greedy, verify_sampled
+import hf_ssd.core.verify as verify_mod
+from hf_ssd.core.sampling import point_mass, saguaro_probs
+from hf_ssd.core.verify import draft_slots, leading_true, verify_greedy, verify_sampled
 
 V = 4
 M = 64  # u grid; 1/M divides every p/q below (p on the 1/64 grid, q dyadic >= 1/8)
@@ -259,7 +259,7 @@ def test_sample_inverse_cdf_is_exact():
     unnormalised rows accepted, and a fixed generator reproduces the draws."""
     from scipy.stats import chisquare
 
-    from hf_ssd.sampling import sample
+    from hf_ssd.core.sampling import sample
 
     p = torch.tensor([0.1, 0.0, 0.3, 0.6, 0.0])
     n = 400_000

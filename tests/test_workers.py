@@ -12,9 +12,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_ssd  # noqa: F401
 from conftest import shallow_copy
-from hf_ssd.process_worker import ProcessDrafter
-from hf_ssd.saguaro import SaguaroDrafter
-from hf_ssd.workers import live_worker_threads
+from hf_ssd.workers.process import ProcessDrafter
+from hf_ssd.draft.saguaro import SaguaroDrafter
+from hf_ssd.workers.thread import live_worker_threads
 
 WORKERS = ["inline", "thread", "process"]
 
@@ -139,8 +139,8 @@ def test_killed_process_worker_loses_nothing(pair, monkeypatch, at_round):
     target, draft, prompts, mask = pair
     ref = target.generate(prompts, attention_mask=mask, max_new_tokens=16, do_sample=False)
     def kill(drafter, spec):
-        os.kill(drafter.process.pid, signal.SIGKILL)
-        drafter.process.join(timeout=10)
+        os.kill(drafter.worker.process.pid, signal.SIGKILL)
+        drafter.worker.process.join(timeout=10)
         return False  # then run the real begin on the dead process
 
     _at_process_begin(monkeypatch, at_round, kill)
@@ -156,7 +156,7 @@ def test_process_worker_error_reported(pair, monkeypatch):
     target, draft, prompts, mask = pair
     ref = target.generate(prompts, attention_mask=mask, max_new_tokens=16, do_sample=False)
     def poison(drafter, spec):
-        drafter.conn.send(("begin", "not a speculation"))
+        drafter.worker.conn.send(("begin", "not a speculation"))
         return True  # replaces the real begin
 
     _at_process_begin(monkeypatch, 2, poison)
@@ -171,7 +171,7 @@ def test_draft_model_broken_falls_back_to_plain(pair, monkeypatch):
     """If even the synchronous drafter fails, the engine finishes with plain target steps."""
     target, draft, prompts, mask = pair
     ref = target.generate(prompts, attention_mask=mask, max_new_tokens=12, do_sample=False)
-    from hf_ssd import draft as draft_module
+    from hf_ssd.draft import model as draft_module
 
     def broken(self, *a, **k):
         raise Boom("draft model unusable")

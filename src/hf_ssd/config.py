@@ -124,17 +124,17 @@ class SSDConfig:
         with open(path) as f:
             return cls.from_dict(json.load(f))
 
-    # ---- Hub (implemented in hf_ssd.hub) ------------------------------------------------------------------------
+    # ---- Hub (implemented in hf_ssd.hf.hub) ------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, **kwargs: Any) -> SSDConfig:
         """From a directory, JSON file or Hub repo id: ssd_config.json, else generation_config.json's `ssd_config`."""
-        from .hub import from_pretrained
+        from hf_ssd.hf.hub import from_pretrained
 
         return from_pretrained(name_or_path, **kwargs)
 
     def push_to_hub(self, repo_id: str, **kwargs: Any):
-        """Upload as ssd_config.json to the Hub model repo `repo_id` (see hf_ssd.hub.push_to_hub)."""
-        from .hub import push_to_hub
+        """Upload as ssd_config.json to the Hub model repo `repo_id` (see hf_ssd.hf.hub.push_to_hub)."""
+        from hf_ssd.hf.hub import push_to_hub
 
         return push_to_hub(self, repo_id, **kwargs)
 

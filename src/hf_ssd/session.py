@@ -1,20 +1,24 @@
-"""One ssd=True generation: build the target cache, the draft side chosen by the config, and run the engine."""
+"""The composition root of one ssd=True generation: the target cache, the draft side (a fallback chain of exact
+drafters on the worker the config asks for) and the engine that runs them."""
 from __future__ import annotations
 
 import time
-import warnings
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 
-from .config import SSDConfig
-from .draft import DraftModel
-from .draft_quant import quantized_draft
-from .engine import Engine, RowOutputs
-from .kv import CachedModel, input_device
-from .processing import check_processors, with_temperature
-from .stats import SSDStats
-from .sync_drafter import NullDrafter, SyncDrafter
+from hf_ssd.config import SSDConfig
+from hf_ssd.draft.fallback import FallbackDrafter
+from hf_ssd.draft.model import DraftModel
+from hf_ssd.draft.protocol import Drafter
+from hf_ssd.draft.quant import quantized_draft
+from hf_ssd.draft.sync import NullDrafter, SyncDrafter
+from hf_ssd.runtime.budget import measure_budget
+from hf_ssd.runtime.engine import Engine, RowOutputs
+from hf_ssd.runtime.kv import CachedModel, input_device
+from hf_ssd.runtime.processing import check_processors, with_temperature
+from hf_ssd.runtime.stats import SSDStats
+from hf_ssd.workers import make_drafter
 
 
 def draft_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator:
@@ -51,33 +55,23 @@ def run_session(
     def make_draft_model(batch: int, downweight: float) -> DraftModel:
         return DraftModel(draft, batch, vocab, draft_processors, greedy, downweight, d_gen)
 
-    made_by_fallback: list = []
+    K = config.num_draft_tokens
 
-    def fallback(failed):
-        # First failure: the exact synchronous drafter on fresh caches. If a drafter made here fails too, the draft
-        # model itself is the problem: no drafts at all.
-        if isinstance(failed, NullDrafter) or any(failed is d for d in made_by_fallback):
-            return NullDrafter(config.num_draft_tokens, input_device(target))
-        made_by_fallback.append(SyncDrafter(make_draft_model(0, 1.0), config.num_draft_tokens, stats))
-        return made_by_fallback[-1]
+    def ssd_drafter() -> Drafter:
+        # The budget probe runs the draft model, so it sits inside the chain: a broken draft falls back from here too.
+        budget = config.budget or measure_budget(target, draft, K, B)
+        return make_drafter(config, make_draft_model(B, config.downweight), stats, budget, greedy, worker)
 
-    if config.mode == "sync":
-        drafter = SyncDrafter(make_draft_model(B, 1.0), config.num_draft_tokens, stats)
+    def sync_drafter() -> Drafter:
         stats.worker = "inline"
-    else:
-        from .budget import measure_budget
-        from .workers import make_drafter
+        return SyncDrafter(make_draft_model(B if config.mode == "sync" else 0, 1.0), K, stats)
 
-        budget = config.budget or measure_budget(target, draft, config.num_draft_tokens, B)
-        try:
-            drafter = make_drafter(config, make_draft_model(B, config.downweight), stats, budget, greedy, worker)
-        except Exception as exc:  # e.g. a kept draft process that died: same exact fallback as mid-generation
-            warnings.warn(f"hf_ssd: could not start the SSD draft side ({type(exc).__name__}: {exc}); using the "
-                          "exact synchronous path.", RuntimeWarning, stacklevel=4)
-            stats.fallback_reason = f"{type(exc).__name__}: {exc}"
-            drafter = fallback(None)
+    # The fallback chain: each is exact; a failure moves to the next (plain target steps never fail on the draft).
+    chain = [ssd_drafter] if config.mode == "ssd" else []
+    chain += [sync_drafter, lambda: NullDrafter(K, input_device(target))]
+    drafter = FallbackDrafter(chain, stats)
     target_kv = CachedModel(target, B)
-    engine = Engine(target_kv, drafter, processors, stopping, generation_config, stats, generator, streamer, fallback)
+    engine = Engine(target_kv, drafter, processors, stopping, generation_config, stats, generator, streamer)
     start = time.perf_counter()
     threads_before = torch.get_num_threads()
     if config.target_threads is not None:
@@ -85,19 +79,8 @@ def run_session(
     try:
         rows = engine.run(input_ids.to(target_kv.device), mask.to(target_kv.device))
     finally:
-        engine.drafter.close()
+        drafter.close()
         torch.set_num_threads(threads_before)
     stats.wall_time = time.perf_counter() - start
-    stats.draft_forwards = draft_forward_count(engine.drafter, drafter)
+    stats.draft_forwards = drafter.forwards
     return rows, stats
-
-
-def draft_forward_count(*drafters) -> int:
-    seen, total = set(), 0
-    for d in drafters:
-        total += getattr(d, "remote_forwards", 0)
-        model = getattr(d, "draft", None)
-        if model is not None and id(model) not in seen:
-            seen.add(id(model))
-            total += model.kv.forwards
-    return total

@@ -1,0 +1,48 @@
+"""Which backup serves the rows that missed: the just-in-time neural draft or the fast n-gram lookup.
+
+A batch round waits for its slowest row, so a JIT backup stalls everyone whenever any row misses (probability
+1 - p_hit^b). Below the batch size b* the JIT's better proposals pay for that; from b* on the fast backup wins
+(SPEC.md section 6). b* is recomputed from the run's own measurements.
+"""
+from __future__ import annotations
+
+from hf_ssd.config import SSDConfig
+from hf_ssd.core.speed_model import backup_threshold, expected_tokens_per_round
+
+
+class Mean:
+    def __init__(self, prior: float, weight: float = 2.0):
+        self.total, self.count = prior * weight, weight
+
+    def add(self, x: float) -> None:
+        self.total += x
+        self.count += 1
+
+    @property
+    def value(self) -> float:
+        return self.total / self.count
+
+
+class BackupPolicy:
+    def __init__(self, config: SSDConfig):
+        K = config.num_draft_tokens
+        self.forced = None if config.backup == "auto" else config.backup
+        self.fixed_threshold = config.backup_batch_threshold
+        self.p_hit = Mean(0.5)
+        self.t_verify, self.t_tree, self.t_jit, self.t_fast = Mean(1.0), Mean(1.0), Mean(1.0), Mean(0.0)
+        self.tokens = {"cache": Mean(expected_tokens_per_round(0.7, K)), "jit": Mean(expected_tokens_per_round(0.7, K)),
+                       "ngram": Mean(1.2)}
+
+    def threshold(self) -> int:
+        if self.fixed_threshold is not None:
+            return self.fixed_threshold
+        v = max(self.t_verify.value, 1e-9)
+        return backup_threshold(
+            self.p_hit.value, self.t_tree.value / v, self.t_jit.value / v, self.t_fast.value / v,
+            self.tokens["cache"].value, self.tokens["jit"].value, self.tokens["ngram"].value, max_batch=4096,
+        )
+
+    def choose(self, batch: int) -> str:
+        if self.forced is not None:
+            return self.forced
+        return "jit" if batch < self.threshold() else "ngram"

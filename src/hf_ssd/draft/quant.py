@@ -1,0 +1,38 @@
+"""A cheaper draft: a dynamic int8 copy of the draft model for CPUs (fbgemm/onednn int8 GEMMs, ~3x faster here).
+
+Exactness does not depend on the draft: the verifier uses the q of whatever model drafted. The copy is made once
+per draft model and kept while the draft model lives.
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import torch
+from transformers import PreTrainedModel
+
+from hf_ssd.runtime.kv import input_device
+
+_COPIES: "weakref.WeakKeyDictionary[PreTrainedModel, torch.nn.Module]" = weakref.WeakKeyDictionary()
+_SOURCES: "weakref.WeakKeyDictionary[torch.nn.Module, PreTrainedModel]" = weakref.WeakKeyDictionary()
+
+
+def quantized_draft(model: PreTrainedModel, mode: str | None) -> PreTrainedModel:
+    if mode is None:
+        return model
+    if input_device(model).type != "cpu":
+        raise ValueError("ssd_draft_quantize='int8' uses CPU int8 kernels; on a GPU use a bf16/fp16 draft instead.")
+    if model not in _COPIES:
+        with warnings.catch_warnings():  # torch.ao's eager quantization warns it is deprecated; it still works
+            warnings.simplefilter("ignore")
+            _COPIES[model] = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+        _SOURCES[_COPIES[model]] = model
+    return _COPIES[model]
+
+
+def unquantized(model: torch.nn.Module) -> tuple[torch.nn.Module, str | None]:
+    """(the model a quantized copy came from, the mode), for sending to another process: packed int8 weights
+    do not travel through shared memory, so the receiver quantizes its own copy."""
+    if model in _SOURCES:
+        return _SOURCES[model], "int8"
+    return model, None

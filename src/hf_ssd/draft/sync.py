@@ -1,0 +1,71 @@
+"""Synchronous speculative decoding's draft side: K autoregressive draft steps after every verification.
+
+It is the baseline SSD must beat and the exact path SSD falls back to when its own draft side fails.
+"""
+from __future__ import annotations
+
+import torch
+
+from hf_ssd.core.types import DraftResult, Speculation, Verdict
+from hf_ssd.draft.model import DraftModel
+from hf_ssd.draft.protocol import Drafter
+from hf_ssd.runtime.stats import SSDStats
+
+
+class SyncDrafter(Drafter):
+    kind = "sync"
+
+    def __init__(self, draft: DraftModel, K: int, stats: SSDStats):
+        self.draft, self.K, self.stats = draft, K, stats
+
+    @property
+    def forwards(self) -> int:
+        return self.draft.kv.forwards
+
+    def _draft(self, pending: torch.Tensor, pending_valid: torch.Tensor) -> Speculation:
+        t0 = self.stats.now()
+        self.first_draft_slot = self.draft.kv.length + pending.shape[1]
+        self.spec = self.draft.jit(pending, pending_valid, self.K)
+        self.draft_span = (t0, self.stats.now())
+        return self.spec
+
+    def start(self, prompt: torch.Tensor, mask: torch.Tensor) -> Speculation:
+        self.draft.prefill(prompt, mask)
+        last = prompt[:, -1:].to(self.draft.kv.device)
+        return self._draft(last, torch.ones_like(last, dtype=torch.bool))
+
+    def resolve(self, verdict: Verdict) -> DraftResult:
+        kv, K = self.draft.kv, self.K
+        k = verdict.outcome.accepted.to(kv.device)
+        # The cache holds pending + d_1..d_{K-1}; keep the accepted drafts among them.
+        kv.invalidate(self.first_draft_slot + k.clamp_max(K - 1))
+        full = k == K  # d_K was accepted but never fed: it goes in front of the bonus
+        d_last = self.spec.tokens[:, -1].to(kv.device)
+        pending = torch.stack([d_last, verdict.outcome.bonus.to(kv.device)], dim=1)
+        pending_valid = torch.stack([full, torch.ones_like(full)], dim=1)
+        rows = verdict.keep.nonzero().squeeze(1).to(kv.device)
+        kv.select_rows(rows)
+        spec = self._draft(pending[rows], pending_valid[rows])
+        return DraftResult(spec, draft_span=self.draft_span)
+
+
+class NullDrafter(Drafter):
+    """Proposes nothing: every round is one plain target step. The last resort when the draft model itself fails."""
+
+    kind = "none"
+
+    def __init__(self, K: int, device: torch.device):
+        self.K, self.device = K, device
+
+    def _empty(self, batch: int) -> Speculation:
+        zeros = torch.zeros(batch, dtype=torch.long, device=self.device)
+        return Speculation(torch.zeros(batch, self.K, dtype=torch.long, device=self.device), zeros, None, zeros)
+
+    def start(self, prompt: torch.Tensor, mask: torch.Tensor) -> Speculation:
+        return self._empty(prompt.shape[0])
+
+    def restart(self, contexts: list[torch.Tensor], masks: list[torch.Tensor]) -> Speculation:
+        return self._empty(len(contexts))
+
+    def resolve(self, verdict: Verdict) -> DraftResult:
+        return DraftResult(self._empty(int(verdict.keep.sum())))

@@ -1,0 +1,202 @@
+"""`model.generate(..., assistant_model=draft, ssd=True)`: the wrapper around transformers' generate().
+
+transformers prepares everything exactly as for plain decoding (generation config, logits processors, stopping
+criteria, lengths, attention mask) and then calls a `custom_generate` callable; ours runs the SSD engine. Things
+transformers drops for custom callables (assistant_model, streamer, tokenizer) are taken out here and handed
+to the engine directly. Without `ssd=True` the original generate() runs untouched.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationMixin, StoppingCriteriaList
+from transformers.generation.stopping_criteria import StopStringCriteria
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from hf_ssd.config import SSDConfig, config_from_kwargs
+from hf_ssd.workers.process import DraftProcess
+from hf_ssd.session import run_session
+from hf_ssd.hf.validate import check_generation, check_pair
+
+_ORIGINAL_GENERATE = GenerationMixin.generate
+_last_stats: dict[str, Any] | None = None
+
+
+@dataclass
+class SSDGenerateOutput(GenerateDecoderOnlyOutput):
+    """generate()'s usual output plus `ssd_stats` (see `hf_ssd.runtime.stats.SSDStats.summary`)."""
+
+    ssd_stats: dict[str, Any] | None = None
+
+
+def last_stats() -> dict[str, Any] | None:
+    """Stats of the most recent ssd=True generation in this process (also when return_dict_in_generate=False)."""
+    return _last_stats
+
+
+def _config_from_models(*models) -> SSDConfig | None:
+    """An SSD config published with a model, draft first: the `ssd_config` key of its generation_config.json, or
+    an ssd_config.json file in the directory it was loaded from. Old versions are migrated (hub.upgrade)."""
+    from pathlib import Path
+
+    from hf_ssd.config import CONFIG_NAME
+    from hf_ssd.hf.hub import config_from_dict
+
+    for model in models:
+        if model is None:
+            continue
+        stored = getattr(getattr(model, "generation_config", None), "ssd_config", None)
+        if isinstance(stored, SSDConfig):
+            return stored
+        name = type(model).__name__
+        if stored is not None:
+            return config_from_dict(stored, source=f"{name}.generation_config.ssd_config")
+        path = Path(str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "_"))
+        if (path / CONFIG_NAME).is_file():
+            import json
+
+            return config_from_dict(json.loads((path / CONFIG_NAME).read_text()), source=str(path / CONFIG_NAME))
+    return None
+
+
+def generate(
+    self,
+    inputs: torch.Tensor | None = None,
+    generation_config=None,
+    logits_processor=None,
+    stopping_criteria=None,
+    prefix_allowed_tokens_fn=None,
+    synced_gpus=None,
+    assistant_model=None,
+    streamer=None,
+    negative_prompt_ids=None,
+    negative_prompt_attention_mask=None,
+    custom_generate=None,
+    **kwargs,
+):
+    ssd = kwargs.pop("ssd", None)
+    ssd_config = kwargs.pop("ssd_config", None)
+    ssd_keys = [k for k in kwargs if k.startswith("ssd_")]
+    shared = dict(inputs=inputs, generation_config=generation_config, logits_processor=logits_processor,
+                  stopping_criteria=stopping_criteria, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+                  synced_gpus=synced_gpus, negative_prompt_ids=negative_prompt_ids,
+                  negative_prompt_attention_mask=negative_prompt_attention_mask)
+    if not ssd:
+        # A custom_generate repo (e.g. ours, written by custom_generate_repo) takes its own ssd_* options.
+        if (ssd_keys or ssd_config is not None) and not isinstance(custom_generate, str):
+            raise TypeError(f"SSD options {ssd_keys or ['ssd_config']} were given without ssd=True; add ssd=True.")
+        if ssd_config is not None:
+            kwargs["ssd_config"] = ssd_config
+        return _ORIGINAL_GENERATE(self, **shared, assistant_model=assistant_model, streamer=streamer,
+                                  custom_generate=custom_generate, **kwargs)
+    if custom_generate is not None:
+        raise ValueError("ssd=True already sets the decoding loop; drop custom_generate.")
+    base = ssd_config if ssd_config is not None else _config_from_models(assistant_model, self)
+    worker_handle = kwargs.get("ssd_worker")
+    if isinstance(worker_handle, DraftProcess):  # a kept-alive draft process (see process_worker)
+        if worker_handle.model is not assistant_model:
+            raise ValueError("ssd_worker is a DraftProcess for a different draft model; pass the same assistant_model.")
+        kwargs["ssd_worker"] = "process"
+    else:
+        worker_handle = None
+    config = config_from_kwargs(base, kwargs)
+    generator = kwargs.pop("generator", None)
+    tokenizer = kwargs.pop("tokenizer", None)
+    draft_tokenizer = kwargs.pop("assistant_tokenizer", None)
+    check_pair(self, assistant_model, (tokenizer, draft_tokenizer))
+
+    # transformers does not hand the tokenizer to custom loops, so stop strings are built here.
+    stop_strings = kwargs.pop("stop_strings", None)
+    if stop_strings is None and generation_config is not None:
+        stop_strings = generation_config.stop_strings
+        if stop_strings is not None:
+            shared["generation_config"] = generation_config.__class__.from_dict(
+                {**generation_config.to_dict(), "stop_strings": None})
+    shared["stopping_criteria"] = StoppingCriteriaList(stopping_criteria or [])
+    if stop_strings is not None:
+        if tokenizer is None:
+            raise ValueError("stop_strings needs the tokenizer: pass tokenizer=... to generate().")
+        shared["stopping_criteria"].append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+
+    ids = inputs if inputs is not None else kwargs.get("input_ids")
+    batch_size = ids.shape[0] if ids is not None and ids.dim() == 2 else 1
+    decode = functools.partial(_ssd_decode, draft=assistant_model, config=config, streamer=streamer,
+                               generator=generator, worker=worker_handle)
+    return _ORIGINAL_GENERATE(self, **shared, custom_generate=_with_checks(decode, dict(kwargs), batch_size, streamer),
+                              **kwargs)
+
+
+def _with_checks(decode, kwargs, batch_size, streamer):
+    def ssd_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                     **model_kwargs):
+        check_generation(generation_config, kwargs, batch_size, streamer)
+        return decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)
+
+    return ssd_decoding
+
+
+def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, *, draft, config, streamer,
+                generator, worker, **model_kwargs):
+    global _last_stats
+    mask = model_kwargs.get("attention_mask")
+    if mask is None:
+        mask = torch.ones_like(input_ids)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    try:
+        rows, stats = run_session(
+            model, draft, input_ids, mask, logits_processor, stopping_criteria, generation_config, config, generator,
+            streamer, worker,
+        )
+    finally:
+        if streamer is not None:
+            streamer.end()
+    summary = stats.summary()
+    _last_stats = summary
+    pad = generation_config._pad_token_tensor
+    pad_id = int(pad) if pad is not None else 0
+    longest = max(len(t) for t in rows.tokens)
+    B, P = input_ids.shape
+    out = torch.full((B, P + longest), pad_id, dtype=input_ids.dtype, device=input_ids.device)
+    out[:, :P] = input_ids
+    for b, toks in enumerate(rows.tokens):
+        if toks:
+            out[b, P:P + len(toks)] = torch.tensor(toks, device=input_ids.device)
+    if not generation_config.return_dict_in_generate:
+        return out
+
+    def steps(per_row):
+        if not any(per_row):
+            return None
+        V = next(x for r in per_row for x in r).shape[-1]
+        return tuple(
+            torch.stack([r[t] if t < len(r) else torch.full((V,), float("-inf")) for r in per_row]).to(out.device)
+            for t in range(longest)
+        )
+
+    return SSDGenerateOutput(
+        sequences=out,
+        scores=steps(rows.scores) if generation_config.output_scores else None,
+        logits=steps(rows.logits) if generation_config.output_logits else None,
+        ssd_stats=summary,
+    )
+
+
+def enable(model=None) -> None:
+    """Enable `generate(..., ssd=True)` for every model (default), or for one model instance only."""
+    if model is None:
+        GenerationMixin.generate = generate
+    else:
+        model.generate = functools.partial(generate, model)
+
+
+def disable() -> None:
+    """Restore transformers' own generate() for all models."""
+    GenerationMixin.generate = _ORIGINAL_GENERATE
+
+
+def is_enabled() -> bool:
+    return GenerationMixin.generate is generate

@@ -1,0 +1,426 @@
+"""The benchmark loop: settings × temperatures × batch sizes × methods over the same prompt batches.
+
+Methods (all on the same prompts, same max_new_tokens, same sampling settings):
+  plain        target.generate() alone
+  hf:<sched>   transformers' own assisted generation (batch 1 only), one entry per draft schedule
+  sd           our synchronous speculative decoding (generate(..., ssd=True, ssd_mode="sync"))
+  ssd:<worker> SSD / Saguaro with each worker kind the engine provides (found at run time)
+
+Thread settings (CPU):
+  paper  the target gets 1 thread in every method; SSD with a parallel worker adds a 2nd core for the draft
+         (target_threads=1, draft_threads=1). Inline SSD runs target and draft on the one thread.
+  equal  equal total hardware: every method may use both cores (torch.set_num_threads(2)); a parallel SSD worker
+         splits them (target_threads/draft_threads, default 1+1, overridable).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hf_ssd.tools.bench.aggregate import add_speedups, aggregate_runs, greedy_equal, safe_div  # noqa: F401
+from hf_ssd.tools.bench.workload import left_pad, load_bench_prompts, load_models, new_tokens
+
+SETTINGS = ("paper", "equal")
+
+# transformers' assisted-generation schedules, set on the draft's generation_config before each call.
+# "default" is transformers' own default (20 tokens, constant, confidence threshold 0.4).
+HF_SCHEDULES: dict[str, dict[str, Any]] = {
+    "constant": {"num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0},  # K each round
+    "heuristic": {"num_assistant_tokens_schedule": "heuristic", "assistant_confidence_threshold": 0.0},
+    "default": {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
+                "assistant_confidence_threshold": 0.4},
+}
+_HF_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+
+
+@dataclass
+class BenchConfig:
+    pair: str | None = "default"  # assets pair name; ignored when target/draft paths or tiny are given
+    target: str | None = None  # local model dir (from_pretrained)
+    draft: str | None = None
+    tiny: bool = False  # random tiny models from a config (CI)
+    dtype: str = "float32"  # float32 keeps greedy exactness checks meaningful (bf16 flips an argmax now and then)
+    prompts: tuple[str, ...] = ("humaneval",)
+    num_prompts: int = 2
+    max_prompt_tokens: int = 512
+    max_new_tokens: int = 64
+    batch_sizes: tuple[int, ...] = (1,)
+    temperatures: tuple[float, ...] = (0.0,)
+    settings: tuple[str, ...] = ("paper",)
+    K: int = 4
+    budget: int | None = None
+    downweight: float = 1.0
+    draft_quantize: str | None = None  # "int8": every method that drafts uses the int8 copy of the draft
+    target_threads: int | None = None  # parallel SSD workers only (default 1)
+    draft_threads: int | None = None
+    hf_schedules: tuple[str, ...] = ("constant", "heuristic", "default")
+    methods: tuple[str, ...] = ("plain", "hf", "sd", "ssd")
+    workers: tuple[str, ...] | None = None  # None: every worker kind the engine provides
+    warmup: int = 1  # untimed generations per (setting, method) before timing
+    repeats: int = 1
+    seed: int = 0
+    progress: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str  # plain | hf:<schedule> | sd | ssd:<worker>
+    kind: str  # plain | hf | sd | ssd
+    option: str | None = None  # schedule or worker
+
+    @property
+    def batch1_only(self) -> bool:
+        return self.kind == "hf"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# measurement helpers
+
+
+class FirstTokenTimer:
+    """A stopping criterion that never stops and notes when generation produced its first token (TTFT)."""
+
+    def __init__(self):
+        self.first: float | None = None
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if self.first is None:
+            self.first = time.perf_counter()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+class PeakRSS:
+    """Peak resident memory of this process while the block runs (psutil sampling every 20 ms; falls back to
+    resource.getrusage's lifetime peak when psutil is missing)."""
+
+    def __init__(self, interval: float = 0.02):
+        self.interval, self.peak, self.source = interval, 0, "psutil"
+        try:
+            import psutil
+
+            self._proc = psutil.Process()
+        except ImportError:
+            self._proc = None
+            self.source = "resource.ru_maxrss (process lifetime)"
+
+    def _sample(self) -> int:
+        if self._proc is not None:
+            try:
+                return self._proc.memory_info().rss
+            except Exception:
+                return 0
+        import resource
+
+        scale = 1 if sys.platform == "darwin" else 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+    def __enter__(self):
+        self._stop = threading.Event()
+        self.peak = self._sample()
+
+        def loop():
+            while not self._stop.wait(self.interval):
+                self.peak = max(self.peak, self._sample())
+
+        self._t = threading.Thread(target=loop, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, self._sample())
+        return False
+
+
+def available_workers(target, draft, requested: tuple[str, ...] | None = None) -> tuple[list[str], dict[str, str]]:
+    """Worker kinds that really run: each is tried on a 4-token prompt; a NotImplementedError (or a run whose
+    stats report another worker) skips it. Returns (available, {skipped kind: reason})."""
+    import hf_ssd  # noqa: F401  (enables ssd=True)
+    from hf_ssd.config import WORKERS
+
+    kinds = [w for w in WORKERS if w != "auto"]
+    if requested:
+        kinds = [w for w in kinds if w in requested]
+    ok, skipped = [], {}
+    vocab = target.config.get_text_config().vocab_size
+    ids = torch.arange(3, 7, dtype=torch.long).remainder(vocab).unsqueeze(0)
+    pad = target.generation_config.pad_token_id
+    for w in kinds:
+        try:
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, ssd=True,
+                                  ssd_mode="ssd", ssd_worker=w, ssd_num_draft_tokens=2, ssd_budget=3,
+                                  max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
+                                  pad_token_id=pad)
+        except NotImplementedError as e:
+            skipped[w] = f"NotImplementedError: {e}"
+            continue
+        except Exception as e:  # a worker that exists but fails is reported, not benchmarked
+            skipped[w] = f"{type(e).__name__}: {e}"
+            continue
+        got = (out.ssd_stats or {}).get("worker")
+        if got != w:
+            skipped[w] = f"engine ran worker {got!r} instead"
+            continue
+        ok.append(w)
+    return ok, skipped
+
+
+def threads_for(setting: str, method: Method, cfg: BenchConfig) -> dict[str, int | None]:
+    """torch threads for the call, and the SSD side threads for parallel workers."""
+    cores = os.cpu_count() or 2
+    parallel = method.kind == "ssd" and method.option in ("thread", "process")
+    if setting == "paper":
+        return {"torch": 1, "target": 1 if parallel else None, "draft": 1 if parallel else None}
+    both = min(2, cores)
+    if parallel:
+        t = cfg.target_threads or max(1, both // 2)
+        d = cfg.draft_threads or max(1, both - t)
+        return {"torch": t, "target": t, "draft": d}
+    return {"torch": both, "target": None, "draft": None}
+
+
+def _set_hf_schedule(draft, name: str, K: int) -> dict[str, Any]:
+    gc = draft.generation_config
+    saved = {k: getattr(gc, k, None) for k in _HF_KEYS}
+    params = {"num_assistant_tokens": K, **HF_SCHEDULES[name]}
+    for k, v in params.items():
+        setattr(gc, k, v)
+    return saved
+
+
+def generate_once(method: Method, target, draft, ids, mask, *, cfg: BenchConfig, setting: str, temperature: float,
+                  pad_id: int, eos_ids: set[int], max_new_tokens: int | None = None, process=None) -> dict[str, Any]:
+    """One timed generation; returns tokens per row, wall/ttft seconds, ssd_stats, peak RSS.
+    `process`: the run's kept DraftProcess, used by the process worker so its start-up is never timed."""
+    import hf_ssd  # noqa: F401
+    from transformers import StoppingCriteriaList
+
+    th = threads_for(setting, method, cfg)
+    torch.set_num_threads(th["torch"])
+    timer = FirstTokenTimer()
+    kw: dict[str, Any] = dict(attention_mask=mask, max_new_tokens=max_new_tokens or cfg.max_new_tokens, pad_token_id=pad_id,
+                              stopping_criteria=StoppingCriteriaList([timer]), return_dict_in_generate=True)
+    if temperature > 0:
+        kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    else:
+        kw.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+    saved = None
+    if method.kind == "hf":
+        saved = _set_hf_schedule(draft, method.option, cfg.K)
+        kw["assistant_model"] = draft
+    elif method.kind in ("sd", "ssd"):
+        kw.update(assistant_model=draft, ssd=True, ssd_mode="sync" if method.kind == "sd" else "ssd",
+                  ssd_num_draft_tokens=cfg.K)
+        if method.kind == "ssd":
+            kept = process if method.option == "process" else None
+            kw.update(ssd_worker=kept or method.option, ssd_downweight=cfg.downweight)
+            if cfg.budget is not None:
+                kw["ssd_budget"] = cfg.budget
+            if th["target"] is not None:
+                kw.update(ssd_target_threads=th["target"], ssd_draft_threads=th["draft"])
+    torch.manual_seed(cfg.seed)
+    try:
+        with PeakRSS() as mem, torch.inference_mode():
+            start = time.perf_counter()
+            out = target.generate(ids, **kw)
+            wall = time.perf_counter() - start
+    finally:
+        if saved is not None:
+            for k, v in saved.items():
+                setattr(draft.generation_config, k, v)
+    toks = new_tokens(out.sequences, ids.shape[1], eos_ids)
+    ttft = (timer.first - start) if timer.first is not None else wall
+    return {"tokens": toks, "wall_s": wall, "ttft_s": min(ttft, wall), "peak_rss_bytes": mem.peak,
+            "rss_source": mem.source, "ssd_stats": getattr(out, "ssd_stats", None), "threads": th}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the loop
+
+
+def plan_methods(cfg: BenchConfig, workers: list[str]) -> list[Method]:
+    ms: list[Method] = []
+    if "plain" in cfg.methods:
+        ms.append(Method("plain", "plain"))
+    if "hf" in cfg.methods:
+        ms += [Method(f"hf:{s}", "hf", s) for s in cfg.hf_schedules]
+    if "sd" in cfg.methods:
+        ms.append(Method("sd", "sd"))
+    if "ssd" in cfg.methods:
+        ms += [Method(f"ssd:{w}", "ssd", w) for w in workers]
+    return ms
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                            "cpu_count": os.cpu_count(), "python": sys.version.split()[0]}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+        with open("/proc/meminfo") as f:
+            info["mem_total_gb"] = round(int(f.readline().split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    info["torch_threads_default"] = torch.get_num_threads()
+    try:  # other processes on the same cores distort every timing: keep the load next to the numbers
+        info["load_avg_1_5_15"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        pass
+    return info
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for p in ("hf-ssd", "torch", "transformers", "accelerate", "datasets", "numpy", "matplotlib", "tqdm"):
+        try:
+            out[p] = md.version(p)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def run_bench(cfg: BenchConfig, models=None, command: str | None = None) -> dict[str, Any]:
+    """Run every method on the same prompt batches; return the report dict (see report.validate_report)."""
+    import hf_ssd  # noqa: F401
+
+    t_start = time.perf_counter()
+    load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    for s in cfg.settings:
+        if s not in SETTINGS:
+            raise ValueError(f"unknown setting {s!r}; choose from {SETTINGS}")
+    target, draft, tok, model_info = models if models is not None else load_models(cfg)
+    if cfg.draft_quantize:
+        from hf_ssd.draft.quant import quantized_draft
+
+        draft = quantized_draft(draft, cfg.draft_quantize)
+        model_info = {**model_info, "draft_quantize": cfg.draft_quantize}
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    eos = target.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    prompts = load_bench_prompts(cfg, tok)
+    workers, skipped = available_workers(target, draft, cfg.workers) if "ssd" in cfg.methods else ([], {})
+    methods = plan_methods(cfg, workers)
+    process = None
+    if "process" in workers:  # one kept draft process for all runs: its start-up is not part of any timing
+        from hf_ssd.workers.process import DraftProcess
+
+        process = DraftProcess(draft)
+    try:
+        return _run_units(cfg, command, target, draft, tok, model_info, prompts, workers, skipped, methods, pad_id,
+                          eos_ids, t_start, load_at_start, process)
+    finally:
+        if process is not None:
+            process.close()
+
+
+def _run_units(cfg, command, target, draft, tok, model_info, prompts, workers, skipped, methods, pad_id, eos_ids,
+               t_start, load_at_start, process) -> dict[str, Any]:
+    from tqdm.auto import tqdm
+
+    units = []
+    for setting in cfg.settings:
+        for temp in cfg.temperatures:
+            for b in cfg.batch_sizes:
+                batches = [prompts[i:i + b] for i in range(0, len(prompts), b)]
+                for m in methods:
+                    if m.batch1_only and b > 1:
+                        continue
+                    units.append((setting, temp, b, m, batches))
+    total = sum(len(u[4]) * cfg.repeats + (cfg.warmup if u[4] else 0) for u in units)
+    results, samples = [], []
+    plain_out: dict[tuple, list[list[int]]] = {}
+    bar = tqdm(total=total, desc="bench", unit="gen", disable=not cfg.progress)
+    for setting, temp, b, m, batches in units:
+        bar.set_postfix_str(f"{setting} T={temp} b={b} {m.name}")
+        for w in range(cfg.warmup):  # untimed: first-call allocations, budget measurement, thread pools
+            ids, mask = left_pad([p["input_ids"] for p in batches[w % len(batches)]], pad_id)
+            generate_once(m, target, draft, ids, mask, cfg=cfg, setting=setting, temperature=temp, pad_id=pad_id,
+                          eos_ids=eos_ids, max_new_tokens=min(8, cfg.max_new_tokens), process=process)
+            bar.update()
+        runs = []
+        for bi, batch in enumerate(batches):
+            ids, mask = left_pad([p["input_ids"] for p in batch], pad_id)
+            for rep in range(cfg.repeats):
+                r = generate_once(m, target, draft, ids, mask, cfg=cfg, setting=setting, temperature=temp,
+                                  pad_id=pad_id, eos_ids=eos_ids, process=process)
+                bar.update()
+                key = (setting, temp, b, bi)
+                eq = None
+                if temp == 0:
+                    if m.kind == "plain" and rep == 0:
+                        plain_out[key] = r["tokens"]
+                    if key in plain_out:
+                        eq = greedy_equal(r["tokens"], plain_out[key])[0]
+                cats = sorted({p["category"] for p in batch})
+                sets = sorted({p["set"] for p in batch})
+                runs.append(r)
+                samples.append({
+                    "setting": setting, "temperature": temp, "batch_size": b, "method": m.name, "batch_index": bi,
+                    "repeat": rep, "prompt_ids": [p["id"] for p in batch],
+                    "category": cats[0] if len(cats) == 1 else "mixed", "prompt_set": sets[0] if len(sets) == 1
+                    else "mixed", "new_tokens": sum(len(t) for t in r["tokens"]), "wall_s": r["wall_s"],
+                    "ttft_s": r["ttft_s"], "tokens_per_s_e2e": safe_div(sum(len(t) for t in r["tokens"]),
+                                                                         r["wall_s"]),
+                    "tokens_per_s_decode": safe_div(sum(len(t) for t in r["tokens"]) - len(r["tokens"]),
+                                                    r["wall_s"] - r["ttft_s"]),
+                    "hit_rate": (r["ssd_stats"] or {}).get("hit_rate"),
+                    "mean_tokens_per_round": (r["ssd_stats"] or {}).get("mean_tokens_per_round"),
+                    "greedy_equal": eq, "threads": r["threads"],
+                })
+        agg = aggregate_runs(runs, b)
+        eqs = [s["greedy_equal"] for s in samples if s["setting"] == setting and s["temperature"] == temp
+               and s["batch_size"] == b and s["method"] == m.name]
+        agg["greedy_equal"] = None if temp != 0 or any(e is None for e in eqs) else all(eqs)
+        agg["greedy_equal_runs"] = None if agg["greedy_equal"] is None else f"{sum(eqs)}/{len(eqs)}"
+        results.append({"setting": setting, "temperature": temp, "batch_size": b, "method": m.name,
+                        "kind": m.kind, "option": m.option, "threads": runs[-1]["threads"] if runs else None, **agg})
+    bar.close()
+    add_speedups(results)
+    torch.set_num_threads(min(2, os.cpu_count() or 2))
+    return {
+        "schema_version": None,  # filled by report.finalize
+        "command": command or " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "duration_s": time.perf_counter() - t_start,
+        "config": cfg.to_dict(),
+        "models": model_info,
+        "versions": versions(),
+        "machine": {**machine_info(), "load_avg_at_start": load_at_start},
+        "workers": {"available": workers, "skipped": skipped},
+        "methods": [m.name for m in methods],
+        "prompts": [{k: p[k] for k in ("id", "set", "category")} | {"tokens": len(p["input_ids"])} for p in prompts],
+        "results": results,
+        "samples": samples,
+        "notes": NOTES,
+    }
+
+
+NOTES = [
+    "tokens_per_s_e2e = new tokens / wall time of generate() (prefill included); tokens_per_s_decode = "
+    "(new tokens - 1 per row) / (wall - time to first token). For SD/SSD the first token comes out of the first "
+    "verify round, so its drafting is counted in the time to first token.",
+    "speedup_vs_* compare decode tokens/s within the same setting, temperature and batch size (_e2e: end-to-end). "
+    "hf_best = the fastest transformers assisted-generation schedule of that group (batch 1 only).",
+    "fraction_of_round_limit = decode tokens/s / (batch x mean tokens per round / mean verify time).",
+    "greedy_equal: per-row tokens identical to plain generate() in the same setting and batch (T=0 only).",
+    "paper setting: target on 1 thread in every method; parallel SSD workers add 1 draft thread. equal: every "
+    "method may use both cores.",
+    "peak_rss_mb: peak resident memory of the whole process while the method ran (both models included).",
+]

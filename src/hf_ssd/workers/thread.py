@@ -1,0 +1,80 @@
+"""The thread worker: the Saguaro tree build runs in a background thread (its own CUDA stream on GPU) while the
+caller's thread runs the target's verify. `resolve` waits for the build, so results are identical to inline."""
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import warnings
+
+import torch
+
+from hf_ssd.core.types import DraftResult, Speculation, Verdict
+from hf_ssd.draft.protocol import Drafter
+
+
+class ThreadDrafter(Drafter):
+    """Runs the Saguaro tree build in a background thread while the caller's thread runs the target."""
+
+    kind = "thread"
+
+    def __init__(self, inner, draft_threads: int | None):
+        self.inner = inner
+        self.draft_threads = draft_threads
+        self.pending: concurrent.futures.Future | None = None
+        device = inner.draft.kv.device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="hf-ssd-draft", initializer=self._init_thread
+        )
+
+    def _init_thread(self) -> None:
+        if self.draft_threads is not None:
+            torch.set_num_threads(self.draft_threads)
+
+    def _on_stream(self, fn, *args):
+        torch.set_grad_enabled(False)
+        try:
+            if self.stream is None:
+                return fn(*args)
+            with torch.cuda.stream(self.stream):
+                return fn(*args)
+        except SystemExit as exc:  # a draft-side exit is a draft failure, not the caller's: fall back, as a process does
+            raise RuntimeError(f"the draft thread called exit ({exc.code!r})") from exc
+
+    def _sync(self, future: concurrent.futures.Future):
+        result = future.result()  # re-raises the worker's exception in the caller
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+        return result
+
+    @property
+    def forwards(self) -> int:
+        return self.inner.forwards
+
+    def start(self, prompt: torch.Tensor, mask: torch.Tensor) -> Speculation:
+        return self._sync(self.pool.submit(self._on_stream, self.inner.start, prompt, mask))
+
+    def begin(self, spec: Speculation) -> None:
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        self.pending = self.pool.submit(self._on_stream, self.inner.begin, spec)
+
+    def resolve(self, verdict: Verdict) -> DraftResult:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self._sync(pending)
+        return self._sync(self.pool.submit(self._on_stream, self.inner.resolve, verdict))
+
+    def close(self) -> None:
+        pending, self.pending = self.pending, None
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.inner.close()
+        if pending is not None and not pending.cancelled() and pending.exception() is not None:
+            # The failed build was for a round no one needs any more: the output is complete; still say so.
+            exc = pending.exception()
+            warnings.warn(f"hf_ssd: the draft side (thread) failed in the last round ({type(exc).__name__}: {exc}); "
+                          "the output is complete and unaffected.", RuntimeWarning, stacklevel=2)
+
+
+def live_worker_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("hf-ssd-draft")]
