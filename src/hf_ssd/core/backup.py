@@ -13,10 +13,12 @@ from hf_ssd.core.speed_model import backup_threshold, expected_tokens_per_round
 class Mean:
     def __init__(self, prior: float, weight: float = 2.0):
         self.total, self.count = prior * weight, weight
+        self.last: float | None = None
 
     def add(self, x: float) -> None:
         self.total += x
         self.count += 1
+        self.last = x
 
     @property
     def value(self) -> float:
