@@ -5,7 +5,7 @@ import argparse
 import torch
 
 import hf_ssd  # noqa: F401  (enables generate(..., ssd=True))
-from hf_ssd.tools.evaluation.tiny import tiny_pair, tiny_requested
+from hf_ssd.testing import tiny_pair, tiny_requested
 from hf_ssd.tools.prompts import format_chat
 
 

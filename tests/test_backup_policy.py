@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import torch
 
-from conftest import get_pair, prompt
 from hf_ssd.config import SSDConfig
 from hf_ssd.core.backup import BackupPolicy
 from hf_ssd.core.types import Outcome, Verdict
 from hf_ssd.draft.model import DraftModel
 from hf_ssd.draft.saguaro import SaguaroDrafter
 from hf_ssd.runtime.stats import SSDStats
+from hf_ssd.testing import get_pair, prompt
 
 
 def test_backup_choice_sees_this_rounds_verify_time(monkeypatch):

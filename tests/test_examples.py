@@ -56,3 +56,15 @@ def test_eval_cli_tiny(tmp_path, capsys):
     assert report["fidelity"]["identity_rate"] == 1.0
     assert report["humaneval"]["problems"] == 1 and report["humaneval"]["pass@1_plain"] == report["humaneval"]["pass@1_ssd"]
     assert "verdict: PASS" in capsys.readouterr().out
+
+
+def test_cli_names_the_tools_extra_when_a_dependency_is_missing(monkeypatch, capsys):
+    """`pip install hf-ssd` is the library only: a tool whose dependency is absent says how to get it."""
+    from hf_ssd.tools.cli import main
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` now raises ModuleNotFoundError
+    for name in ("hf_ssd.tools.prompts", "hf_ssd.tools.evaluation.cli"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert main(["eval", "--tiny", "--num-prompts", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "'datasets' is not installed" in err and 'pip install "hf-ssd[tools]"' in err

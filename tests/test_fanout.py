@@ -1,4 +1,4 @@
-"""Fan-out math (SPEC §4): exact integer optimum, closed form, and the online α / r estimators."""
+"""Fan-out math (docs/algorithm.md §4): exact integer optimum, closed form, and the online α / r estimators."""
 from __future__ import annotations
 
 import itertools
@@ -84,7 +84,7 @@ def test_continuous_closed_form():
     alpha, r, K, B = 0.8, 1.0, 7, 24
     F = continuous_fanout(B, alpha, r, K)
     assert sum(F) == pytest.approx(B)
-    for k in range(K):  # SPEC §4: F_k = F_0·α^(k/(1+r)), F_K = F_0·α^(K/(1+r))·(1-α)^(-1/(1+r))
+    for k in range(K):  # docs/algorithm.md §4: F_k = F_0·α^(k/(1+r)), F_K = F_0·α^(K/(1+r))·(1-α)^(-1/(1+r))
         assert F[k] == pytest.approx(F[0] * alpha ** (k / (1 + r)))
     assert F[K] == pytest.approx(F[0] * alpha ** (K / (1 + r)) * (1 - alpha) ** (-1 / (1 + r)))
 

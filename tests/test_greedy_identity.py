@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from conftest import ARCHS, PAD, VOCAB, get_pair, left_pad, plain_generate, prompt, ssd_generate
+from hf_ssd.testing import ARCHS, PAD, VOCAB, get_pair, left_pad, plain_generate, prompt, ssd_generate
 
 MODES = ["sync", "ssd"]
 

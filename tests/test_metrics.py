@@ -78,7 +78,7 @@ def test_acceptance_known_values():
 def test_acceptance_inputs_from_generate_stats():
     import torch
 
-    from hf_ssd.tools.evaluation.tiny import tiny_pair
+    from hf_ssd.testing import tiny_pair
 
     target, draft, tok = tiny_pair()
     enc = tok(["ab", "hello"], return_tensors="pt", padding=True)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 import hf_ssd  # noqa: F401
-from conftest import shallow_copy
+from hf_ssd.testing import shallow_copy, tiny_llama
 
 SCRIPT = Path(__file__).parent / "scripts" / "tp_generate.py"
 
@@ -21,10 +21,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "tp_generate.py"
 @pytest.fixture(scope="module")
 def saved_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("pair")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3)
-    target = LlamaForCausalLM(cfg).eval()
+    target = tiny_llama(0, vocab_size=128, hidden_size=64, intermediate_size=128, eos_token_id=2, pad_token_id=None)
     draft = shallow_copy(target)
     target.save_pretrained(root / "target")
     draft.save_pretrained(root / "target-draft")

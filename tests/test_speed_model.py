@@ -1,4 +1,4 @@
-"""Speed model (SPEC §6): hand-computed values, b* behaviour, and predicted tokens/s."""
+"""Speed model (docs/algorithm.md §6): hand-computed values, b* behaviour, and predicted tokens/s."""
 from __future__ import annotations
 
 import numpy as np

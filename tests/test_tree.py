@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import ARCHS, get_pair, left_pad, prompt
 from hf_ssd.runtime.kv import CachedModel
-from hf_ssd.core.tree import Forks, fork, tree_attend, tree_attend_reference
+from hf_ssd.core.tree import Forks, fork, tree_attend
+from hf_ssd.testing import ARCHS, get_pair, left_pad, prompt, tree_attend_reference
 
 ATOL = 1e-4
 

@@ -1,7 +1,8 @@
-"""Geometric fan-out (SPEC §4): how many bonus-token guesses to cache for each number k of accepted drafts.
+"""Geometric fan-out (docs/algorithm.md §4): how many bonus-token guesses to cache for each number k of accepted
+drafts.
 
 Model: k ~ capped geometric, P(k) = (1-α)α^k for k < K and P(K) = α^K; the true bonus lies outside the draft's
-top-F guesses with probability c·F^(-r) (the spec's law has c = 1). We choose integers F_0..F_K with Σ F_k = B
+top-F guesses with probability c·F^(-r) (the paper's law has c = 1). We choose integers F_0..F_K with Σ F_k = B
 maximising the hit probability Σ_k P(k)·h(F_k), where h(F) = 1 - c·F^(-r) for F ≥ 1 and h(0) = 0.
 """
 from __future__ import annotations
@@ -67,7 +68,7 @@ def _greedy(P: list[float], active: list[int], budget: int, r: float, c: float) 
 def geometric_fanout(budget: int, alpha: float, r: float, K: int, *, top1_miss: float = 1.0) -> list[int]:
     """Exact integer fan-out F_0..F_K (Σ = budget) maximising the cache-hit probability.
 
-    h is concave only on F ≥ 1 (the step 0 -> 1 gains just 1 - c, which is 0 in the spec's law), so plain greedy is
+    h is concave only on F ≥ 1 (the step 0 -> 1 gains just 1 - c, which is 0 in the paper's law), so plain greedy is
     not exact. All positions share h and differ only in weight P(k), so for m active positions (F ≥ 1) the best
     choice is the m most probable ones (exchange argument); we run the concave greedy for every m and keep the best.
     r ≤ R_MIN is clamped to R_MIN (r ≤ 0 would mean guesses never help; the r -> 0 limit is F ∝ P).
@@ -202,10 +203,10 @@ def _pair(x: float | tuple[float, float] | None) -> tuple[float | None, float | 
 
 
 class FanoutPlanner:
-    """Fan-out schedules for the two cases of SPEC §4: after a hit the next proposal comes from the primary draft,
-    after a miss from the backup (different α, hence a different schedule). User overrides win over estimates:
-    `alpha` / `r` fix a value (or a (after_hit, after_miss) pair); `fanout` / `fanout_after_miss` fix the lists
-    (`fanout` alone is used for both). A fixed r uses the spec's law (c = 1)."""
+    """Fan-out schedules for the two cases of docs/algorithm.md §4: after a hit the next proposal comes from the
+    primary draft, after a miss from the backup (different α, hence a different schedule). User overrides win over
+    estimates: `alpha` / `r` fix a value (or a (after_hit, after_miss) pair); `fanout` / `fanout_after_miss` fix the
+    lists (`fanout` alone is used for both). A fixed r uses the paper's law (c = 1)."""
 
     def __init__(self, budget: int, K: int, *, alpha: float | tuple[float, float] | None = None,
                  r: float | tuple[float, float] | None = None, fanout: Sequence[int] | None = None,

@@ -1,6 +1,6 @@
 """Prompt-lookup backup: propose the tokens that followed the latest earlier occurrence of the context's tail.
 
-Its proposals are deterministic, so they are verified as point masses (SPEC.md section 1), never by greedy
+Its proposals are deterministic, so they are verified as point masses (docs/algorithm.md §1), never by greedy
 matching at T > 0.
 """
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Speed model (SPEC §6): predicted speedups of AR, SD and SSD and the batch size b* at which to switch backups.
+"""Speed model (docs/algorithm.md §6): predicted speedups of AR, SD and SSD and the batch size b* at which to switch
+backups.
 
 Unless a name ends in `_s` (seconds), times are in units of one target verify forward and a speedup is tokens per
 verify-time, i.e. the speedup over autoregressive decoding whose step costs one verify (AR = 1).
@@ -31,11 +32,12 @@ def sd_speedup(e: float, t_draft: float) -> float:
 
 def ssd_speedup(p_hit: float, e_hit: float, e_miss: float, t_tree: float, t_backup: float, *, batch: int = 1,
                 t_sync: float = 0.0) -> float:
-    """SPEC §6: [p·E_hit + (1-p)·E_miss] / [P_b·max(1, T_tree) + (1-P_b)·(1 + T_backup)] (+ T_sync per round).
+    """docs/algorithm.md §6: [p·E_hit + (1-p)·E_miss] / [P_b·max(1, T_tree) + (1-P_b)·(1 + T_backup)]
+    (+ T_sync per round).
 
     Tokens are per row: each row hits on its own with probability p. Time is per batched round: the round only
     runs at max(verify, tree) if all rows hit (P_b = p^b); if any row misses, the whole batch waits for the backup.
-    At batch = 1 this is the spec's formula exactly.
+    At batch = 1 this is the paper's formula exactly.
     """
     if not 0.0 <= p_hit <= 1.0:
         raise ValueError(f"p_hit must be in [0, 1], got {p_hit}")

@@ -63,18 +63,3 @@ def tree_attend(past_valid: torch.Tensor, glue_valid: torch.Tensor, forks: Forks
     own = torch.eye(N, dtype=torch.bool, device=device)[None] & forks.valid[:, None, :]
     return torch.cat([past, glue] + [own] * step, dim=2)
 
-
-def tree_attend_reference(past_valid, glue_valid, forks: Forks, step: int) -> torch.Tensor:
-    """Element-by-element statement of `tree_attend`, used by the tests."""
-    B, N = forks.tokens.shape
-    L0, P = past_valid.shape[1], glue_valid.shape[1]
-    out = torch.zeros(B, N, L0 + P + step * N, dtype=torch.bool)
-    for b in range(B):
-        for i in range(N):
-            for s in range(L0):
-                out[b, i, s] = bool(past_valid[b, s])
-            for m in range(P):
-                out[b, i, L0 + m] = bool(glue_valid[b, m]) and m <= int(forks.depth[b, i])
-            for st in range(step):
-                out[b, i, L0 + P + st * N + i] = bool(forks.valid[b, i])
-    return out

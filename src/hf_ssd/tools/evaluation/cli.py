@@ -15,7 +15,7 @@ import torch
 from hf_ssd.tools import metrics
 from hf_ssd.tools.prompts import format_chat, load_prompts
 from hf_ssd.tools.evaluation import humaneval
-from hf_ssd.tools.evaluation.tiny import tiny_pair, tiny_requested
+from hf_ssd.testing import tiny_pair, tiny_requested
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -19,7 +19,7 @@ Args:
     cache_lookups: list of int, speculation-cache lookups per generation.
 Returns: mean_accepted, mean_tokens_per_round, hit_rate, rounds, per_generation_mean_accepted.
 Examples:
-    >>> m = evaluate.load("src/hf_ssd/metrics/ssd_acceptance")
+    >>> m = evaluate.load("src/hf_ssd/tools/metrics/ssd_acceptance")
     >>> m.compute(accepted=[6, 2], rounds=[2, 2], cache_hits=[1, 2], cache_lookups=[2, 2])["mean_accepted"]
     2.0
 """

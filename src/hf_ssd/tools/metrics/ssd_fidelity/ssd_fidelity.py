@@ -34,7 +34,7 @@ Args:
 Returns (identity): identity_rate, mean_matching_prefix, first_divergence.
 Returns (distribution): p_value (Bonferroni-combined), min_p_value, n_tests, reject, p_values (per group, position).
 Examples:
-    >>> m = evaluate.load("src/hf_ssd/metrics/ssd_fidelity")
+    >>> m = evaluate.load("src/hf_ssd/tools/metrics/ssd_fidelity")
     >>> m.compute(predictions=[[1, 2, 3]], references=[[1, 2, 3]])["identity_rate"]
     1.0
 """
