@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -9,10 +10,13 @@ import torch
 from hf_ssd.tools.bench import BenchConfig, run_bench, validate_report, write_report
 from hf_ssd.tools.bench.cli import add_arguments, config_from_args
 from hf_ssd.tools.bench.report import PLOTS, markdown_table
-from hf_ssd.tools.bench.aggregate import add_speedups, aggregate_runs, greedy_equal
-from hf_ssd.tools.bench.runner import Method, threads_for
-from hf_ssd.tools.bench.workload import ByteTokenizer, left_pad, load_bench_prompts, new_tokens
+from hf_ssd.tools.bench import runner as bench_runner
+from hf_ssd.tools.bench.aggregate import add_speedups, aggregate_repeats, aggregate_runs, greedy_equal, repeat_stats
+from hf_ssd.tools.bench.overhead import overhead_pair
+from hf_ssd.tools.bench.runner import DEFAULT_METHODS, Method, plan_methods, threads_for
+from hf_ssd.tools.bench.workload import load_bench_prompts, new_tokens
 from hf_ssd.tools.bench.simulate import PAPER, PaperAssumptions, measured_vs_predicted, paper_prediction, simulate
+from hf_ssd.testing import byte_tokenizer, left_pad
 
 
 def _stats(emitted, hist, hits, lookups, verify, draft, resolve, rounds):
@@ -62,8 +66,46 @@ def test_speedups_and_greedy_equal():
     assert greedy_equal([[1, 2], [4]], [[1, 2], [3]]) == (False, 1)
 
 
+def test_best_plain_and_prompt_set_groups():
+    rows = [{"setting": "paper", "temperature": 0.0, "batch_size": 1, "prompt_set": ps, "method": m,
+             "tokens_per_s_decode": v, "tokens_per_s_e2e": v}
+            for ps, m, v in [("humaneval", "plain", 2.0), ("humaneval", "plain:static-compile", 4.0),
+                             ("humaneval", "hf:prompt-lookup", 5.0), ("humaneval", "sd", 6.0),
+                             ("mtbench", "plain", 3.0), ("mtbench", "sd", 6.0)]]
+    add_speedups(rows)
+    sd_he, sd_mt = rows[3], rows[5]
+    assert sd_he["speedup_vs_plain"] == pytest.approx(3.0)  # "× plain" stays against eager plain
+    assert sd_he["speedup_vs_best_plain"] == pytest.approx(1.5)  # the compiled plain is faster here
+    assert sd_he["speedup_vs_hf_best"] == pytest.approx(6 / 5)  # prompt lookup counts as a transformers method
+    assert sd_mt["speedup_vs_plain"] == pytest.approx(2.0) and sd_mt["speedup_vs_best_plain"] == pytest.approx(2.0)
+
+
+def test_repeats_median_min_max():
+    assert repeat_stats([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "runs": [3.0, 1.0, 2.0]}
+    assert repeat_stats([None, 4.0])["median"] == 4.0 and repeat_stats([None])["median"] is None
+
+    def run(wall):  # one batch of one row: 9 tokens, first after 0.1 s
+        return {"tokens": [[1] * 9], "wall_s": wall, "ttft_s": 0.1, "peak_rss_bytes": 0, "ssd_stats": None}
+
+    a = aggregate_repeats([[run(1.1)], [run(2.1)], [run(0.6)]], batch=1)
+    st = a["tokens_per_s_decode_stats"]
+    assert st["runs"] == pytest.approx([8.0, 4.0, 16.0]) and a["tokens_per_s_decode"] == pytest.approx(8.0)
+    assert (st["min"], st["max"]) == pytest.approx((4.0, 16.0)) and a["repeats"] == 3 and a["runs"] == 3
+    assert a["tokens_per_s_e2e"] == pytest.approx(9 / 1.1)  # the median repeat, not the pooled total
+
+
+def test_plan_methods():
+    cfg = BenchConfig(methods=DEFAULT_METHODS, hf_schedules=("constant",))
+    names = [m.name for m in plan_methods(cfg, ["inline"])]
+    assert names == ["plain", "plain:static-compile", "hf:constant", "hf:prompt-lookup", "sd", "ssd:inline", "ssd:auto"]
+    assert [m.name for m in plan_methods(BenchConfig(methods=("hf:heuristic",)), [])] == ["hf:heuristic"]
+    assert all(m.batch1_only for m in plan_methods(cfg, []) if m.kind == "hf")
+    with pytest.raises(ValueError, match="unknown method"):
+        plan_methods(BenchConfig(methods=("plain", "fast")), [])
+
+
 def test_padding_tokens_and_threads():
-    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
+    ids, mask = left_pad([[5, 6, 7], [8]], pad=0)
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
     seq = torch.tensor([[9, 9, 1, 2, 3, 0], [9, 9, 4, 5, 6, 7]])
     assert new_tokens(seq, 2, {3}) == [[1, 2, 3], [4, 5, 6, 7]]
@@ -77,7 +119,7 @@ def test_padding_tokens_and_threads():
 
 def test_prompt_loading_for_bench():
     cfg = BenchConfig(prompts=("humaneval", "mtbench"), num_prompts=2, max_prompt_tokens=40, tiny=True)
-    rows = load_bench_prompts(cfg, ByteTokenizer())
+    rows = load_bench_prompts(cfg, byte_tokenizer())
     assert [r["set"] for r in rows] == ["humaneval", "humaneval", "mtbench", "mtbench"]
     assert all(0 < len(r["input_ids"]) <= 40 for r in rows)
     assert rows[0]["category"] == "code" and rows[0]["id"].startswith("HumanEval/")
@@ -91,6 +133,15 @@ def test_cli_profiles():
     add_arguments(p)
     q = config_from_args(p.parse_args(["--quick"]))
     assert q.max_new_tokens == 32 and q.settings == ("paper",) and q.batch_sizes == (1,)
+    assert q.repeats == 3 and q.workload == "default" and q.methods == DEFAULT_METHODS
+    o = config_from_args(p.parse_args(["--workload", "overhead", "--alpha-noise", "0.014", "--prompts", "6",
+                                       "--max-new-tokens", "64", "--prompt-set", "mtbench,sharegpt"]))
+    assert (o.workload, o.alpha_noise, o.num_prompts, o.max_new_tokens) == ("overhead", 0.014, 6, 64)
+    assert o.prompts == ("mtbench", "sharegpt")
+    legacy = config_from_args(p.parse_args(["--prompts", "mtbench", "--num-prompts", "3", "--repeats", "5"]))
+    assert legacy.prompts == ("mtbench",) and legacy.num_prompts == 3 and legacy.repeats == 5
+    with pytest.raises(SystemExit):
+        config_from_args(p.parse_args(["--prompt-set", "gsm8k"]))
     f = config_from_args(p.parse_args(["--full", "--batch-sizes", "1,2", "--setting", "equal", "--K", "3"]))
     assert f.batch_sizes == (1, 2) and f.settings == ("equal",) and f.K == 3 and "sharegpt" in f.prompts
 
@@ -132,25 +183,39 @@ def test_measured_vs_predicted_from_report():
 
 
 def test_tiny_end_to_end(tmp_path):
+    """Every default method (plain:static-compile compiles a 2-layer model in the warm-up: ~20 s of this test)."""
     cfg = BenchConfig(tiny=True, prompts=("humaneval",), num_prompts=2, max_new_tokens=8,
-                      hf_schedules=("constant", "heuristic"), workers=("inline", "thread"), warmup=1, repeats=1,
+                      hf_schedules=("constant", "heuristic"), workers=("inline", "thread"), warmup=1, repeats=3,
                       K=3, progress=False)
     report = run_bench(cfg, command="pytest tiny")
     paths = write_report(report, tmp_path)
-    assert validate_report(report) == []
+    assert validate_report(report) == [] and report["method_errors"] == {}
     methods = {r["method"] for r in report["results"]}
-    assert {"plain", "hf:constant", "hf:heuristic", "sd", "ssd:inline"} <= methods
+    assert {"plain", "plain:static-compile", "hf:constant", "hf:heuristic", "hf:prompt-lookup", "sd",
+            "ssd:inline"} <= methods
     for r in report["results"]:
         assert r["greedy_equal"] is True, r["method"]  # every method reproduces plain greedy exactly
         assert r["new_tokens"] > 0 and r["tokens_per_s_decode"] > 0
+        st = r["tokens_per_s_decode_stats"]
+        assert len(st["runs"]) == 3 and st["min"] <= st["median"] == r["tokens_per_s_decode"] <= st["max"]
+        assert r["prompt_set"] == "humaneval" and r["speedup_vs_best_plain"] is not None
+    compiled = next(r for r in report["results"] if r["method"] == "plain:static-compile")
+    assert compiled["graphs_compiled_in_timed_runs"] == 0  # the compile happened in the warm-up
+    sd = next(r for r in report["results"] if r["method"] == "sd")
+    assert sd["speedup_vs_plain"] == pytest.approx(
+        sd["tokens_per_s_decode"] / next(r for r in report["results"] if r["method"] == "plain")["tokens_per_s_decode"])
     ssd = next(r for r in report["results"] if r["method"] == "ssd:inline")
     assert ssd["hit_rate"] is not None and ssd["mean_tokens_per_round"] >= 1.0
     assert ssd["fraction_of_round_limit"] is not None
     loaded = json.loads((tmp_path / "bench.json").read_text())
-    assert validate_report(loaded) == [] and loaded["schema_version"] == 1
+    assert validate_report(loaded) == [] and loaded["schema_version"] == 2
+    assert loaded["results"][0]["tokens_per_s_e2e_stats"].keys() >= {"median", "min", "max", "runs"}
     assert loaded["command"] == "pytest tiny" and loaded["versions"]["torch"] and loaded["machine"]["cpu_count"]
     table = (tmp_path / "table.md").read_text()
     assert "ssd:inline" in table and markdown_table(report).splitlines()[0] in table
+    assert "× best plain" in table and "Workload: **default**" in table and "**humaneval**" in table
+    plain_row = next(line for line in table.splitlines() if line.startswith("| paper | 0 | 1 | humaneval | plain |"))
+    assert re.search(r"\| \d+\.\d\d \(\d+\.\d\d–\d+\.\d\d\) \|", plain_row)  # median (min–max)
     for name in PLOTS:
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     assert set(paths) >= {"json", "table", *PLOTS}
@@ -161,3 +226,49 @@ def test_schema_rejects_incomplete():
     bad = {"results": [{"method": "ssd:inline", "kind": "ssd", "temperature": 0.0}]}
     errs = validate_report(bad)
     assert any("hit_rate" in e for e in errs) and any("greedy" in e for e in errs)
+
+
+def test_overhead_workload_alpha_one(tmp_path):
+    """28-layer target whose layers 8.. add nothing + its first 8 layers as draft: the same logits, so greedy SSD
+    accepts every drafted token; the bench says which workload ran."""
+    target, draft, tok = overhead_pair()
+    assert (target.config.num_hidden_layers, draft.config.num_hidden_layers) == (28, 8)
+    assert all(not layer.self_attn.o_proj.weight.any() and not layer.mlp.down_proj.weight.any()
+               for layer in target.model.layers[8:])
+    ids = torch.tensor([tok.encode("def add(a, b):")])
+    with torch.no_grad():
+        assert torch.equal(target(ids).logits, draft(ids).logits)
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, ssd=True,
+                              ssd_mode="ssd", ssd_worker="inline", ssd_num_draft_tokens=4, ssd_draft_quantize=None,
+                              ssd_backup="jit", max_new_tokens=10, do_sample=False, return_dict_in_generate=True)
+    # every round accepts all K drafts (backup "jit": a round the cache misses is drafted by the same draft model;
+    # the n-gram backup the engine may pick would accept less)
+    assert out.ssd_stats["mean_accepted"] == 4.0 and out.sequences.shape[1] == ids.shape[1] + 10
+    _, noisy, _ = overhead_pair(alpha_noise=0.05)
+    assert not torch.equal(noisy.lm_head.weight, draft.lm_head.weight)
+
+    cfg = BenchConfig(workload="overhead", tiny=True, methods=("plain", "sd", "ssd"), workers=("inline",),
+                      num_prompts=1, max_new_tokens=10, K=4, warmup=0, repeats=1, progress=False)
+    report = run_bench(cfg, command="pytest overhead")
+    write_report(report, tmp_path, plots=False)
+    assert validate_report(report) == [] and report["workload"] == "overhead"
+    for r in report["results"]:
+        assert r["greedy_equal"] is True and r["new_tokens"] == 10, r["method"]  # no EOS: fixed length
+    sd = next(r for r in report["results"] if r["method"] == "sd")
+    assert sd["mean_accepted_hist"] == 4.0 and sd["alpha_est"] == pytest.approx(1.0)
+    assert "Workload: **overhead**" in (tmp_path / "table.md").read_text()
+
+
+def test_failed_optional_method_is_reported(monkeypatch, tmp_path):
+    """A baseline that cannot run here (e.g. torch.compile unsupported) lands in method_errors, not a crash."""
+    def broken(model):
+        raise RuntimeError("inductor: no C++ compiler")
+
+    monkeypatch.setattr(bench_runner, "static_compile_config", broken)
+    cfg = BenchConfig(tiny=True, methods=("plain", "plain:static-compile"), num_prompts=1, max_new_tokens=4,
+                      warmup=0, repeats=1, progress=False)
+    report = run_bench(cfg)
+    write_report(report, tmp_path, plots=False)
+    assert [r["method"] for r in report["results"]] == ["plain"] and validate_report(report) == []
+    assert "no C++ compiler" in report["method_errors"]["plain:static-compile"]["error"]
+    assert "plain:static-compile (RuntimeError: inductor: no C++ compiler)" in (tmp_path / "table.md").read_text()

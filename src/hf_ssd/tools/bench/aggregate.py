@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
+
+TPS_METRICS = ("tokens_per_s_decode", "tokens_per_s_e2e")
+PLAIN_METHODS = ("plain", "plain:static-compile")  # "best plain" = the faster of these two in a group
 
 def safe_div(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0 or (isinstance(b, float) and math.isnan(b)):
@@ -51,6 +55,9 @@ def aggregate_runs(runs: list[dict[str, Any]], batch: int) -> dict[str, Any]:
         out.update({
             "mean_tokens_per_round": safe_div(emitted, row_rounds),
             "mean_accepted_per_round": safe_div(sum(s["accepted"] for s in stats), row_rounds),
+            # from the acceptance histogram: a last round cut short by max_new_tokens still counts what was accepted
+            "mean_accepted_hist": safe_div(sum(int(k) * v for s in stats for k, v in s["accept_hist"].items()),
+                                           row_rounds),
             "hit_rate": safe_div(sum(s["cache_hits"] for s in stats), lookups) if lookups else None,
             "rounds": rounds, "phase_means_s": phases,
             "overlap_fraction": sum(ov) / len(ov) if ov else None,
@@ -63,7 +70,8 @@ def aggregate_runs(runs: list[dict[str, Any]], batch: int) -> dict[str, Any]:
         out["round_limit_tps"] = limit
         out["fraction_of_round_limit"] = safe_div(out["tokens_per_s_decode"], limit)
     else:
-        out.update({"mean_tokens_per_round": None, "mean_accepted_per_round": None, "hit_rate": None,
+        out.update({"mean_tokens_per_round": None, "mean_accepted_per_round": None, "mean_accepted_hist": None,
+                    "hit_rate": None,
                     "round_limit_tps": None, "fraction_of_round_limit": None, "phase_means_s": None,
                     "overlap_fraction": None})
     return out
@@ -77,17 +85,41 @@ def _sum_counts(dicts: list[dict[str, int]]) -> dict[str, int]:
     return total
 
 
+def repeat_stats(values: list[float | None]) -> dict[str, Any]:
+    """median, min and max of one metric over the repeats (None values left out), and every repeat's value."""
+    xs = [v for v in values if v is not None]
+    return {"median": statistics.median(xs) if xs else None, "min": min(xs, default=None),
+            "max": max(xs, default=None), "runs": list(values)}
+
+
+def aggregate_repeats(per_repeat: list[list[dict[str, Any]]], batch: int) -> dict[str, Any]:
+    """aggregate_runs over every timed run (tokens per round, hit rate, phases, memory), with the tokens/s figures
+    replaced by their median over the repeats (one repeat = every prompt batch once) and the spread kept in
+    `<metric>_stats` = {median, min, max, runs}. fraction_of_round_limit is recomputed from the median."""
+    out = aggregate_runs([r for rep in per_repeat for r in rep], batch)
+    for metric in TPS_METRICS:
+        st = repeat_stats([aggregate_runs(rep, batch)[metric] for rep in per_repeat])
+        out[metric], out[f"{metric}_stats"] = st["median"], st
+    out["repeats"] = len(per_repeat)
+    out["fraction_of_round_limit"] = safe_div(out["tokens_per_s_decode"], out.get("round_limit_tps"))
+    return out
+
+
 def add_speedups(results: list[dict[str, Any]]) -> None:
-    """speedup_vs_plain / _vs_hf_best / _vs_sd within each (setting, temperature, batch) group, on decode tok/s
-    and on end-to-end tok/s (suffix _e2e). hf_best = the fastest transformers schedule of the group."""
+    """speedup_vs_plain / _vs_best_plain / _vs_hf_best / _vs_sd within each (setting, temperature, batch, prompt set)
+    group, on decode tok/s and on end-to-end tok/s (suffix _e2e); the tok/s are medians over repeats.
+    plain = eager plain generate(); best_plain = the faster of plain and plain:static-compile; hf_best = the fastest
+    transformers speculative method of the group (assisted-generation schedules and prompt lookup)."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in results:
-        groups.setdefault((r["setting"], r["temperature"], r["batch_size"]), []).append(r)
+        groups.setdefault((r["setting"], r["temperature"], r["batch_size"], r.get("prompt_set")), []).append(r)
     for rs in groups.values():
         for metric, suffix in (("tokens_per_s_decode", ""), ("tokens_per_s_e2e", "_e2e")):
             by = {r["method"]: r[metric] for r in rs}
             hf = [v for m, v in by.items() if m.startswith("hf:") and v]
-            refs = {"plain": by.get("plain"), "hf_best": max(hf) if hf else None, "sd": by.get("sd")}
+            plains = [by[m] for m in PLAIN_METHODS if by.get(m)]
+            refs = {"plain": by.get("plain"), "best_plain": max(plains) if plains else None,
+                    "hf_best": max(hf) if hf else None, "sd": by.get("sd")}
             for r in rs:
                 for ref, v in refs.items():
                     r[f"speedup_vs_{ref}{suffix}"] = safe_div(r[metric], v)

@@ -5,16 +5,17 @@ import argparse
 import shlex
 import sys
 
-from hf_ssd.tools.bench.runner import SETTINGS, BenchConfig
+from hf_ssd.tools.bench.runner import DEFAULT_METHODS, HF_SCHEDULES, OPTIONAL_METHODS, SETTINGS, WORKLOADS, BenchConfig
 
-# --quick: about 5 minutes on 2 cores with the default pair (fp32): 2 HumanEval prompts, 32 tokens, batch 1,
-# greedy, paper setting, two transformers schedules.
+# --quick: 2 HumanEval prompts, 32 tokens, batch 1, greedy, paper setting, two transformers schedules; 3 repeats
+# (medians need them, even quick).
 QUICK = dict(prompts=("humaneval",), num_prompts=2, max_new_tokens=32, batch_sizes=(1,), temperatures=(0.0,),
-             settings=("paper",), hf_schedules=("constant", "heuristic"), warmup=1, repeats=1)
-# full profile (defaults): every prompt set, batch 1-16, T in {0, 0.7, 1.0}, both settings.
-FULL = dict(prompts=("humaneval", "mtbench", "sharegpt"), num_prompts=8, max_new_tokens=128,
+             settings=("paper",), hf_schedules=("constant", "heuristic"), warmup=1, repeats=3)
+# full profile: every prompt set (each reported on its own rows), batch 1-16 (16 prompts per set, so batch 16 is
+# full), T in {0, 0.7, 1.0}, both settings.
+FULL = dict(prompts=("humaneval", "mtbench", "sharegpt"), num_prompts=16, max_new_tokens=128,
             batch_sizes=(1, 4, 16), temperatures=(0.0, 0.7, 1.0), settings=("paper", "equal"),
-            hf_schedules=("constant", "heuristic", "default"), warmup=1, repeats=1)
+            hf_schedules=("constant", "heuristic", "default"), warmup=1, repeats=3)
 
 
 def _csv(kind):
@@ -23,8 +24,22 @@ def _csv(kind):
     return parse
 
 
+def _prompts_arg(text: str):
+    """--prompts: an integer N (prompts per set, like --num-prompts) or, as before, a comma list of prompt sets."""
+    return int(text) if text.strip().isdigit() else _csv(str)(text)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models")
+    g.add_argument("--workload", default="default", choices=WORKLOADS,
+                   help="default: the pair from --pair/--target/--draft/--tiny (today's behaviour); overhead: the "
+                        "overhead-bound CPU stand-in for the GPU regime, built from configs in seconds: a 28-layer "
+                        "Qwen2 target at hidden 64 whose layers 8-27 add nothing, and its first 8 layers as draft "
+                        "(alpha = 1 unless --alpha-noise); ignores --pair/--target/--draft/--dtype")
+    g.add_argument("--alpha-noise", type=float, default=0.0,
+                   help="overhead workload: seeded noise on the draft's weights (x each weight's std) to bring the "
+                        "acceptance alpha below 1; 0 = draft equals target (alpha 1); see benchmarks/README.md for "
+                        "the noise that gives alpha ~0.7")
     g.add_argument("--pair", default="default", help="asset pair (see hf_ssd.tools.assets.PAIRS); default: Qwen2.5-Coder "
                    "1.5B target + 0.5B draft")
     g.add_argument("--target", help="target model dir (with --draft, instead of --pair)")
@@ -34,7 +49,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="float32 (default) keeps greedy equality meaningful; bf16 is faster but the multi-token "
                         "verify flips an argmax now and then")
     g = p.add_argument_group("workload")
-    g.add_argument("--prompts", type=_csv(str), help="comma list of humaneval,mtbench,sharegpt")
+    g.add_argument("--prompt-set", type=_csv(str), dest="prompt_set",
+                   help="comma list of humaneval,mtbench,sharegpt; each set is reported on its own rows. Quote "
+                        "mtbench/sharegpt: held out from any tuning on HumanEval")
+    g.add_argument("--prompts", type=_prompts_arg,
+                   help="N = prompts per set (same as --num-prompts); a comma list of set names still works as "
+                        "--prompt-set")
     g.add_argument("--num-prompts", type=int, help="prompts per set (balanced over categories)")
     g.add_argument("--max-prompt-tokens", type=int, default=512)
     g.add_argument("--max-new-tokens", type=int)
@@ -43,8 +63,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--setting", type=_csv(str), dest="settings",
                    help=f"comma list of {','.join(SETTINGS)} (paper: target 1 thread in every method, SSD's draft a "
                         "2nd core; equal: every method may use both cores)")
-    g.add_argument("--methods", type=_csv(str), default=("plain", "hf", "sd", "ssd"),
-                   help="subset of plain,hf,sd,ssd")
+    g.add_argument("--methods", type=_csv(str), default=DEFAULT_METHODS,
+                   help=f"comma list (default {','.join(DEFAULT_METHODS)}): plain = eager generate(); "
+                        "plain:static-compile = generate() with cache_implementation='static' + torch.compile "
+                        "(transformers' compile_config path; compiled in the warm-up); hf = every --hf-schedules "
+                        f"assisted schedule (or one: {','.join('hf:' + s for s in HF_SCHEDULES)}); "
+                        "hf:prompt-lookup = transformers' prompt lookup decoding (prompt_lookup_num_tokens=K); "
+                        "sd = our sync SD; ssd = SSD with every --workers kind. "
+                        f"{' and '.join(OPTIONAL_METHODS)} failing is reported, not fatal")
     g.add_argument("--hf-schedules", type=_csv(str), help="transformers schedules: constant,heuristic,default")
     g.add_argument("--workers", type=_csv(str), help="SSD worker kinds to try (default: all the engine provides)")
     g = p.add_argument_group("SSD / SD options")
@@ -57,10 +83,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-threads", type=int, help="parallel SSD workers, equal setting (default 1)")
     g = p.add_argument_group("run")
     g.add_argument("--warmup", type=int)
-    g.add_argument("--repeats", type=int)
+    g.add_argument("--repeats", type=int, help="timed passes over every prompt batch (default 3, --quick too); "
+                   "tok/s = median over them, reported with min-max")
     g.add_argument("--seed", type=int, default=0)
     prof = g.add_mutually_exclusive_group()
-    prof.add_argument("--quick", action="store_true", help="~5 min on 2 cores with the default pair")
+    prof.add_argument("--quick", action="store_true", help="2 HumanEval prompts x 32 tokens, batch 1, greedy, paper "
+                      "setting, 3 repeats")
     prof.add_argument("--full", action="store_true", help="every prompt set, batch 1-16, 3 temperatures, both settings")
     g.add_argument("--out", default="benchmarks", help="output directory (bench.json, table.md, *.png)")
     g.add_argument("--no-plots", action="store_true")
@@ -71,12 +99,24 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     base = dict(QUICK if args.quick or not args.full else FULL)
     if args.tiny:  # CI: seconds
         base.update(num_prompts=1, max_new_tokens=8, warmup=0)
-    over = {k: getattr(args, k) for k in ("prompts", "num_prompts", "max_new_tokens", "batch_sizes", "temperatures",
+    over = {k: getattr(args, k) for k in ("num_prompts", "max_new_tokens", "batch_sizes", "temperatures",
                                           "settings", "hf_schedules", "warmup", "repeats")
             if getattr(args, k, None) is not None}
+    if isinstance(args.prompts, int):
+        over.setdefault("num_prompts", args.prompts)
+    elif args.prompts:
+        over["prompts"] = args.prompts
+    if args.prompt_set:
+        over["prompts"] = args.prompt_set
+    from hf_ssd.tools.prompts import PROMPT_SETS
+
+    unknown = [s for s in over.get("prompts", ()) if s not in PROMPT_SETS]
+    if unknown:
+        raise SystemExit(f"unknown prompt set(s) {unknown}; choose from {','.join(PROMPT_SETS)}")
     base.update(over)
     return BenchConfig(
         pair=args.pair, target=args.target, draft=args.draft, tiny=args.tiny, dtype=args.dtype,
+        workload=args.workload, alpha_noise=args.alpha_noise,
         max_prompt_tokens=args.max_prompt_tokens, methods=tuple(args.methods), workers=args.workers, K=args.K,
         budget=args.budget, downweight=args.downweight, draft_quantize=args.draft_quantize, target_threads=args.target_threads,
         draft_threads=args.draft_threads, seed=args.seed, progress=not args.no_progress, **base)

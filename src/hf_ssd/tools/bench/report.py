@@ -7,20 +7,22 @@ import os
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: repeats (tok/s = median, *_stats spread), prompt_set per row, workload, method_errors
 
 TOP_KEYS = {
     "schema_version": int, "command": str, "created": str, "duration_s": (int, float), "config": dict,
-    "models": dict, "versions": dict, "machine": dict, "workers": dict, "methods": list, "prompts": list,
-    "results": list, "samples": list, "notes": list,
+    "workload": str, "models": dict, "versions": dict, "machine": dict, "workers": dict, "methods": list,
+    "method_errors": dict, "prompt_sets": list, "prompts": list, "results": list, "samples": list, "notes": list,
 }
 NUM = (int, float, type(None))
 RESULT_KEYS = {
-    "setting": str, "temperature": (int, float), "batch_size": int, "method": str, "kind": str,
-    "runs": int, "new_tokens": int, "wall_s": (int, float), "ttft_s": NUM,
-    "tokens_per_s_e2e": NUM, "tokens_per_s_decode": NUM,
-    "speedup_vs_plain": NUM, "speedup_vs_hf_best": NUM, "speedup_vs_sd": NUM,
-    "speedup_vs_plain_e2e": NUM, "speedup_vs_hf_best_e2e": NUM, "speedup_vs_sd_e2e": NUM,
+    "setting": str, "temperature": (int, float), "batch_size": int, "prompt_set": str, "method": str, "kind": str,
+    "runs": int, "repeats": int, "new_tokens": int, "wall_s": (int, float), "ttft_s": NUM,
+    "tokens_per_s_e2e": NUM, "tokens_per_s_decode": NUM, "tokens_per_s_e2e_stats": dict,
+    "tokens_per_s_decode_stats": dict,
+    "speedup_vs_plain": NUM, "speedup_vs_best_plain": NUM, "speedup_vs_hf_best": NUM, "speedup_vs_sd": NUM,
+    "speedup_vs_plain_e2e": NUM, "speedup_vs_best_plain_e2e": NUM, "speedup_vs_hf_best_e2e": NUM,
+    "speedup_vs_sd_e2e": NUM,
     "mean_tokens_per_round": NUM, "hit_rate": NUM, "round_limit_tps": NUM, "fraction_of_round_limit": NUM,
     "peak_rss_mb": (int, float), "greedy_equal": (bool, type(None)),
 }
@@ -52,6 +54,11 @@ def validate_report(report: dict[str, Any]) -> list[str]:
             errs.append(f"results[{i}] ({r.get('method')}) has no hit_rate")
         if r.get("temperature") == 0 and r.get("greedy_equal") is None:
             errs.append(f"results[{i}] ({r.get('method')}) greedy run without an equality check")
+        for k in ("tokens_per_s_decode_stats", "tokens_per_s_e2e_stats"):
+            st = r.get(k)
+            if isinstance(st, dict) and (not {"median", "min", "max", "runs"} <= set(st)
+                                         or len(st.get("runs") or []) != r.get("repeats")):
+                errs.append(f"results[{i}].{k} needs median, min, max and one value per repeat")
     if not report.get("results"):
         errs.append("no results")
     return errs
@@ -67,54 +74,94 @@ def _fmt(v: Any, spec: str = ".2f") -> str:
     return str(v)
 
 
+def _spread(r: dict[str, Any], metric: str) -> str:
+    """"median (min–max)" over the repeats; the bare value for a row without repeat statistics."""
+    st = r.get(f"{metric}_stats")
+    if not st or st.get("median") is None:
+        return _fmt(r.get(metric))
+    return f"{st['median']:.2f} ({st['min']:.2f}–{st['max']:.2f})"
+
+
 def markdown_table(report: dict[str, Any]) -> str:
+    """One row per result; tok/s as "median (min–max)" over the repeats, ratios from the medians."""
     cols = [("setting", "setting", None), ("T", "temperature", "g"), ("batch", "batch_size", None),
-            ("method", "method", None), ("tok/s decode", "tokens_per_s_decode", ".2f"),
-            ("tok/s e2e", "tokens_per_s_e2e", ".2f"), ("× plain", "speedup_vs_plain", ".2f"),
+            ("prompts", "prompt_set", None), ("method", "method", None),
+            ("tok/s decode", "tokens_per_s_decode", "spread"), ("tok/s e2e", "tokens_per_s_e2e", "spread"),
+            ("× plain", "speedup_vs_plain", ".2f"), ("× best plain", "speedup_vs_best_plain", ".2f"),
             ("× HF best", "speedup_vs_hf_best", ".2f"), ("× our SD", "speedup_vs_sd", ".2f"),
-            ("tok/round", "mean_tokens_per_round", ".2f"), ("hit rate", "hit_rate", ".0%"),
-            ("of round limit", "fraction_of_round_limit", ".0%"), ("peak RSS MB", "peak_rss_mb", ".0f"),
-            ("= plain (greedy)", "greedy_equal", None)]
+            ("tok/round", "mean_tokens_per_round", ".2f"), ("α est", "alpha_est", ".2f"),
+            ("hit rate", "hit_rate", ".0%"), ("of round limit", "fraction_of_round_limit", ".0%"),
+            ("peak RSS MB", "peak_rss_mb", ".0f"), ("= plain (greedy)", "greedy_equal", None)]
     lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    mcol = [c[1] for c in cols].index("method")
     for r in report["results"]:
-        cells = [_fmt(r.get(k), f) if f else _fmt(r.get(k)) for _, k, f in cols]
+        cells = [_spread(r, k) if f == "spread" else _fmt(r.get(k), f) if f else _fmt(r.get(k)) for _, k, f in cols]
         if r.get("fallback_reason"):  # the engine gave up on SSD and ran sync SD: say so next to the numbers
-            cells[3] += f" (FELL BACK to sync SD: {r['fallback_reason']})"
+            cells[mcol] += f" (FELL BACK to sync SD: {r['fallback_reason']})"
+        if r.get("graphs_compiled_in_timed_runs"):  # compilation leaked into the timing: flag it
+            cells[mcol] += f" (COMPILED {r['graphs_compiled_in_timed_runs']} graph(s) while timed)"
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def phase_table(report: dict[str, Any]) -> str:
     """Where a round's time goes (SD/SSD): mean seconds of verify, draft, resolve, round; overlap."""
-    lines = ["| setting | T | batch | method | verify ms | draft ms | resolve ms | round ms | overlap | budget |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| setting | T | batch | prompts | method | verify ms | draft ms | resolve ms | round ms | overlap | "
+             "budget |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         ph = r.get("phase_means_s")
         if not ph:
             continue
         ms = [_fmt(None if ph.get(k) is None else 1000 * ph[k], ".0f") for k in ("verify", "draft", "resolve",
                                                                                     "round")]
-        lines.append(f"| {r['setting']} | {r['temperature']:g} | {r['batch_size']} | {r['method']} | "
+        lines.append(f"| {r['setting']} | {r['temperature']:g} | {r['batch_size']} | {r.get('prompt_set', '–')} | "
+                     f"{r['method']} | "
                      + " | ".join(ms) + f" | {_fmt(r.get('overlap_fraction'), '.0%')} | {_fmt(r.get('budget'))} |")
     return "\n".join(lines)
 
 
+# What each prompt set is, for the report: HumanEval is the set tuning (e.g. an automatic controller) may have used;
+# MT-Bench and ShareGPT are the held-out sets to quote.
+PROMPT_SET_ROLES = {
+    "humaneval": "HumanEval code prompts (may have been used for tuning)",
+    "mtbench": "MT-Bench first turns (held out: not HumanEval)",
+    "sharegpt": "ShareGPT first turns (held out: not HumanEval)",
+}
+WORKLOAD_ROLES = {
+    "default": "the model pair as given (real models, or --tiny random ones)",
+    "overhead": "overhead-bound CPU stand-in for the GPU regime (real layer counts, tiny widths; see "
+                "hf_ssd/tools/bench/overhead.py)",
+}
+
+
 def markdown(report: dict[str, Any]) -> str:
     m, cfg = report["machine"], report["config"]
+    sets = report.get("prompt_sets") or cfg["prompts"]
+    workload = report.get("workload", cfg.get("workload", "default"))
+    errors = report.get("method_errors") or {}
+    compiled = [r for r in report["results"] if r.get("option") == "static-compile"]
     parts = [
         "# hf-ssd bench", "",
         f"Command: `{report['command']}`", "",
         f"Machine: {m.get('cpu_model', m.get('processor'))}, {m.get('cpu_count')} cores, "
         f"{m.get('mem_total_gb', '?')} GB; {m.get('platform')}", "",
+        f"Workload: **{workload}**: {WORKLOAD_ROLES.get(workload, '?')}.", "",
         f"Models: {report['models'].get('pair')} ({report['models'].get('dtype')}); versions: "
         + ", ".join(f"{k} {v}" for k, v in report["versions"].items()), "",
-        f"Prompts: {', '.join(cfg['prompts'])} × {cfg['num_prompts']} ({len(report['prompts'])} total), "
+        "Prompt set(s): " + "; ".join(f"**{s}** = {PROMPT_SET_ROLES.get(s, s)}" for s in sets)
+        + f" — {cfg['num_prompts']} per set ({len(report['prompts'])} total), each set on its own rows.", "",
         f"max_new_tokens={cfg['max_new_tokens']}, K={cfg['K']}, budget={cfg['budget'] or 'auto'}, "
-        f"C={cfg['downweight']}, warmup={cfg['warmup']}, repeats={cfg['repeats']}; "
-        f"run took {report['duration_s']:.0f} s.", "",
+        f"C={cfg['downweight']}, warmup={cfg['warmup']} (plain:static-compile: at least 1, until compiled), "
+        f"repeats={cfg['repeats']} (tok/s: median (min–max) over "
+        f"the repeats; ratios from the medians); run took {report['duration_s']:.0f} s.", "",
         f"SSD workers benchmarked: {', '.join(report['workers']['available']) or 'none'}"
         + ("; skipped: " + "; ".join(f"{k} ({v})" for k, v in report["workers"]["skipped"].items())
            if report["workers"]["skipped"] else ""), "",
+        *([f"plain:static-compile: warm-up incl. torch.compile up to "
+           f"{max(r.get('warmup_s') or 0.0 for r in compiled):.0f} s per row (untimed); graphs compiled while timed: "
+           f"{sum(r.get('graphs_compiled_in_timed_runs') or 0 for r in compiled)}.", ""] if compiled else []),
+        *(["Methods that failed and are not in the table: " + "; ".join(
+            f"{k} ({v['error'] if isinstance(v, dict) else v})" for k, v in errors.items()), ""] if errors else []),
         markdown_table(report), "",
         "Where the round time goes (SD/SSD, means per round):", "",
         phase_table(report), "",
@@ -154,7 +201,7 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     b0 = min((s["batch_size"] for s in samples), default=1)
     sel = [s for s in samples if s["setting"] == setting and s["temperature"] == temp and s["batch_size"] == b0]
     cats = sorted({s["category"] for s in sel})
-    methods = [m for m in report["methods"] if m != "plain"]
+    methods = [m for m in report["methods"] if m != "plain" and any(s["method"] == m for s in sel)]
 
     def mean_tps(ms, cat):
         xs = [s for s in sel if s["method"] == ms and s["category"] == cat]
@@ -180,15 +227,17 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     s0 = res[0]["setting"] if res else None
     t0 = res[0]["temperature"] if res else None
+    p0 = res[0].get("prompt_set") if res else None  # plots 2 and 3: the first prompt set
     for meth in report["methods"]:
         pts = sorted((r["batch_size"], r["tokens_per_s_decode"] or 0.0) for r in res
-                     if r["method"] == meth and r["setting"] == s0 and r["temperature"] == t0)
+                     if r["method"] == meth and r["setting"] == s0 and r["temperature"] == t0
+                     and r.get("prompt_set") == p0)
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=meth)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
     ax.set_ylabel("decode tokens/s (all rows)")
-    ax.set_title(f"{tag}: tokens/s vs batch size (setting={s0}, T={t0})")
+    ax.set_title(f"{tag}: tokens/s vs batch size (setting={s0}, T={t0}, prompts={p0})")
     written.append(_save(fig, ax, out / PLOTS[1]))
 
     # 3. cache hit rate vs temperature (SSD methods)
@@ -196,13 +245,14 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     for meth in [m for m in report["methods"] if m.startswith("ssd")]:
         for setting in sorted({r["setting"] for r in res}):
             pts = sorted((r["temperature"], r["hit_rate"]) for r in res if r["method"] == meth
-                         and r["setting"] == setting and r["batch_size"] == b0 and r["hit_rate"] is not None)
+                         and r["setting"] == setting and r["batch_size"] == b0 and r["hit_rate"] is not None
+                         and r.get("prompt_set") == p0)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{meth} ({setting})")
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("temperature")
     ax.set_ylabel("cache hit rate")
-    ax.set_title(f"{tag}: SSD cache hit rate vs temperature (batch={b0})")
+    ax.set_title(f"{tag}: SSD cache hit rate vs temperature (batch={b0}, prompts={p0})")
     written.append(_save(fig, ax, out / PLOTS[2]))
     return written
 

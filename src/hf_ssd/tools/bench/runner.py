@@ -1,10 +1,16 @@
 """The benchmark loop: settings × temperatures × batch sizes × methods over the same prompt batches.
 
 Methods (all on the same prompts, same max_new_tokens, same sampling settings):
-  plain        target.generate() alone
-  hf:<sched>   transformers' own assisted generation (batch 1 only), one entry per draft schedule
-  sd           our synchronous speculative decoding (generate(..., ssd=True, ssd_mode="sync"))
-  ssd:<worker> SSD / Saguaro with each worker kind the engine provides (found at run time)
+  plain                 target.generate() alone, eager, dynamic cache
+  plain:static-compile  target.generate() on transformers' compiled fast path: cache_implementation="static" plus a
+                        compile_config (the decode step runs under torch.compile); compiled during the warm-up
+  hf:<sched>            transformers' own assisted generation (batch 1 only), one entry per draft schedule
+  hf:prompt-lookup      transformers' prompt lookup decoding (prompt_lookup_num_tokens=K; no draft model; batch 1)
+  sd                    our synchronous speculative decoding (generate(..., ssd=True, ssd_mode="sync"))
+  ssd:<worker>          SSD / Saguaro with each worker kind the engine provides (found at run time)
+
+Every (setting, temperature, batch, prompt set, method) is warmed up, then timed `repeats` times over all its prompt
+batches; tokens/s are reported as the median over the repeats with the min-max spread.
 
 Thread settings (CPU):
   paper  the target gets 1 thread in every method; SSD with a parallel worker adds a 2nd core for the draft
@@ -25,8 +31,11 @@ from typing import Any
 
 import torch
 
-from hf_ssd.tools.bench.aggregate import add_speedups, aggregate_runs, greedy_equal, safe_div  # noqa: F401
-from hf_ssd.tools.bench.workload import left_pad, load_bench_prompts, load_models, new_tokens
+from hf_ssd.tools.bench.aggregate import (add_speedups, aggregate_repeats, aggregate_runs, greedy_equal,  # noqa: F401
+                                          safe_div)
+from hf_ssd.testing import left_pad
+from hf_ssd.tools.bench.simulate import _alpha_for
+from hf_ssd.tools.bench.workload import load_bench_prompts, load_models, new_tokens
 
 SETTINGS = ("paper", "equal")
 
@@ -40,6 +49,14 @@ HF_SCHEDULES: dict[str, dict[str, Any]] = {
 }
 _HF_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
+# --methods entries: the four families (hf = every schedule in hf_schedules, ssd = every available worker) plus
+# single methods. The two baselines a user might pick instead of speculative decoding are optional: when one fails
+# (say torch.compile on an unsupported machine) the error goes into the report and the bench carries on.
+METHOD_FAMILIES = ("plain", "hf", "sd", "ssd", "auto")
+OPTIONAL_METHODS = ("plain:static-compile", "hf:prompt-lookup")
+DEFAULT_METHODS = ("plain", "plain:static-compile", "hf", "hf:prompt-lookup", "sd", "ssd", "auto")
+WORKLOADS = ("default", "overhead")
+
 
 @dataclass
 class BenchConfig:
@@ -47,6 +64,8 @@ class BenchConfig:
     target: str | None = None  # local model dir (from_pretrained)
     draft: str | None = None
     tiny: bool = False  # random tiny models from a config (CI)
+    workload: str = "default"  # default: the pair above; overhead: bench/overhead.py's launch-bound stand-in
+    alpha_noise: float = 0.0  # overhead workload: noise on the draft's weights (0: draft = target, α = 1)
     dtype: str = "float32"  # float32 keeps greedy exactness checks meaningful (bf16 flips an argmax now and then)
     prompts: tuple[str, ...] = ("humaneval",)
     num_prompts: int = 2
@@ -62,10 +81,10 @@ class BenchConfig:
     target_threads: int | None = None  # parallel SSD workers only (default 1)
     draft_threads: int | None = None
     hf_schedules: tuple[str, ...] = ("constant", "heuristic", "default")
-    methods: tuple[str, ...] = ("plain", "hf", "sd", "ssd")
+    methods: tuple[str, ...] = DEFAULT_METHODS
     workers: tuple[str, ...] | None = None  # None: every worker kind the engine provides
-    warmup: int = 1  # untimed generations per (setting, method) before timing
-    repeats: int = 1
+    warmup: int = 1  # untimed generations per unit before timing (plain:static-compile: at least 1, until compiled)
+    repeats: int = 3  # timed passes over every prompt batch; tok/s = median over them, with min and max
     seed: int = 0
     progress: bool = True
 
@@ -75,13 +94,17 @@ class BenchConfig:
 
 @dataclass(frozen=True)
 class Method:
-    name: str  # plain | hf:<schedule> | sd | ssd:<worker>
-    kind: str  # plain | hf | sd | ssd
-    option: str | None = None  # schedule or worker
+    name: str  # plain | plain:static-compile | hf:<schedule> | hf:prompt-lookup | sd | ssd:<worker> | ssd:auto
+    kind: str  # plain | hf | sd | ssd | auto (generate(..., ssd=True) with no option: the controller decides)
+    option: str | None = None  # static-compile, schedule, prompt-lookup or worker
 
     @property
     def batch1_only(self) -> bool:
-        return self.kind == "hf"
+        return self.kind == "hf"  # transformers' assisted generation (prompt lookup too) is batch 1 only
+
+    @property
+    def compiled(self) -> bool:
+        return self.option == "static-compile"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -161,6 +184,7 @@ def available_workers(target, draft, requested: tuple[str, ...] | None = None) -
         try:
             out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, ssd=True,
                                   ssd_mode="ssd", ssd_worker=w, ssd_num_draft_tokens=2, ssd_budget=3,
+                                  ssd_draft_quantize=None,
                                   max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
                                   pad_token_id=pad)
         except NotImplementedError as e:
@@ -200,6 +224,31 @@ def _set_hf_schedule(draft, name: str, K: int) -> dict[str, Any]:
     return saved
 
 
+def static_compile_config(model):
+    """The compile_config for plain:static-compile, following transformers' CompileConfig docs: generate() with
+    cache_implementation="static" compiles the decode step itself (the prefill stays eager). transformers does that
+    automatically on CUDA (mode "reduce-overhead": CUDA graphs); on other devices only when the config's
+    `_compile_all_devices` flag is set, which is how CompileConfig says to compile on e.g. CPU (mode "default" there:
+    no CUDA graphs). dynamic=True as in CompileConfig's own example: one graph serves every prompt length and
+    max_new_tokens, so the warm-up compiles for all the timed runs."""
+    from transformers import CompileConfig
+
+    cuda = model.device.type == "cuda"
+    cc = CompileConfig(fullgraph=False, dynamic=True, mode="reduce-overhead" if cuda else "default")
+    if not cuda:
+        cc._compile_all_devices = True
+    return cc
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far (0 when torch._dynamo is unavailable)."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:
+        return 0
+    return int(counters["stats"]["unique_graphs"])
+
+
 def generate_once(method: Method, target, draft, ids, mask, *, cfg: BenchConfig, setting: str, temperature: float,
                   pad_id: int, eos_ids: set[int], max_new_tokens: int | None = None, process=None) -> dict[str, Any]:
     """One timed generation; returns tokens per row, wall/ttft seconds, ssd_stats, peak RSS.
@@ -217,12 +266,22 @@ def generate_once(method: Method, target, draft, ids, mask, *, cfg: BenchConfig,
     else:
         kw.update(do_sample=False, temperature=None, top_k=None, top_p=None)
     saved = None
-    if method.kind == "hf":
+    if method.compiled:
+        kw.update(cache_implementation="static", compile_config=static_compile_config(target))
+    elif method.kind == "hf" and method.option == "prompt-lookup":
+        kw["prompt_lookup_num_tokens"] = cfg.K
+    elif method.kind == "hf":
         saved = _set_hf_schedule(draft, method.option, cfg.K)
         kw["assistant_model"] = draft
+    elif method.kind == "auto":
+        kw.update(assistant_model=draft, ssd=True)
+        if cfg.draft_quantize is not None:  # the bench quantized the draft already
+            kw["ssd_draft_quantize"] = None
     elif method.kind in ("sd", "ssd"):
+        # ssd_draft_quantize=None: the draft exactly as every other method gets it (the bench applied
+        # cfg.draft_quantize to it already), not the engine's own "auto" int8 choice
         kw.update(assistant_model=draft, ssd=True, ssd_mode="sync" if method.kind == "sd" else "ssd",
-                  ssd_num_draft_tokens=cfg.K)
+                  ssd_num_draft_tokens=cfg.K, ssd_draft_quantize=None)
         if method.kind == "ssd":
             kept = process if method.option == "process" else None
             kw.update(ssd_worker=kept or method.option, ssd_downweight=cfg.downweight)
@@ -251,15 +310,28 @@ def generate_once(method: Method, target, draft, ids, mask, *, cfg: BenchConfig,
 
 
 def plan_methods(cfg: BenchConfig, workers: list[str]) -> list[Method]:
+    """cfg.methods -> Methods in table order: plain, plain:static-compile, hf schedules, hf:prompt-lookup, sd, ssd.
+    'hf' = every schedule in cfg.hf_schedules ('hf:<schedule>' names one), 'ssd' = every available worker."""
+    known = {*METHOD_FAMILIES, *OPTIONAL_METHODS, *(f"hf:{s}" for s in HF_SCHEDULES)}
+    unknown = [m for m in cfg.methods if m not in known]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; choose from {sorted(known)}")
     ms: list[Method] = []
     if "plain" in cfg.methods:
         ms.append(Method("plain", "plain"))
-    if "hf" in cfg.methods:
-        ms += [Method(f"hf:{s}", "hf", s) for s in cfg.hf_schedules]
+    if "plain:static-compile" in cfg.methods:
+        ms.append(Method("plain:static-compile", "plain", "static-compile"))
+    scheds = list(cfg.hf_schedules) if "hf" in cfg.methods else []
+    scheds += [s for s in HF_SCHEDULES if f"hf:{s}" in cfg.methods and s not in scheds]
+    ms += [Method(f"hf:{s}", "hf", s) for s in scheds]
+    if "hf:prompt-lookup" in cfg.methods:
+        ms.append(Method("hf:prompt-lookup", "hf", "prompt-lookup"))
     if "sd" in cfg.methods:
         ms.append(Method("sd", "sd"))
     if "ssd" in cfg.methods:
         ms += [Method(f"ssd:{w}", "ssd", w) for w in workers]
+    if "auto" in cfg.methods:
+        ms.append(Method("ssd:auto", "auto"))
     return ms
 
 
@@ -305,6 +377,11 @@ def run_bench(cfg: BenchConfig, models=None, command: str | None = None) -> dict
     for s in cfg.settings:
         if s not in SETTINGS:
             raise ValueError(f"unknown setting {s!r}; choose from {SETTINGS}")
+    if cfg.workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {cfg.workload!r}; choose from {WORKLOADS}")
+    if cfg.repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {cfg.repeats}")
+    plan_methods(cfg, [])  # unknown method names fail before any model loads
     target, draft, tok, model_info = models if models is not None else load_models(cfg)
     if cfg.draft_quantize:
         from hf_ssd.draft.quant import quantized_draft
@@ -334,63 +411,41 @@ def _run_units(cfg, command, target, draft, tok, model_info, prompts, workers, s
                t_start, load_at_start, process) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
+    prompt_sets = list(dict.fromkeys(p["set"] for p in prompts))  # each set reported on its own rows
     units = []
     for setting in cfg.settings:
         for temp in cfg.temperatures:
             for b in cfg.batch_sizes:
-                batches = [prompts[i:i + b] for i in range(0, len(prompts), b)]
-                for m in methods:
-                    if m.batch1_only and b > 1:
-                        continue
-                    units.append((setting, temp, b, m, batches))
-    total = sum(len(u[4]) * cfg.repeats + (cfg.warmup if u[4] else 0) for u in units)
-    results, samples = [], []
+                for ps in prompt_sets:
+                    rows = [p for p in prompts if p["set"] == ps]
+                    batches = [rows[i:i + b] for i in range(0, len(rows), b)]
+                    for m in methods:
+                        if m.batch1_only and b > 1:
+                            continue
+                        units.append((setting, temp, b, ps, m, batches))
+    total = sum(len(u[5]) * cfg.repeats + _warmups(cfg, u[4]) for u in units)
+    results, samples, errors = [], [], {}
     plain_out: dict[tuple, list[list[int]]] = {}
     bar = tqdm(total=total, desc="bench", unit="gen", disable=not cfg.progress)
-    for setting, temp, b, m, batches in units:
-        bar.set_postfix_str(f"{setting} T={temp} b={b} {m.name}")
-        for w in range(cfg.warmup):  # untimed: first-call allocations, budget measurement, thread pools
-            ids, mask = left_pad([p["input_ids"] for p in batches[w % len(batches)]], pad_id)
-            generate_once(m, target, draft, ids, mask, cfg=cfg, setting=setting, temperature=temp, pad_id=pad_id,
-                          eos_ids=eos_ids, max_new_tokens=min(8, cfg.max_new_tokens), process=process)
-            bar.update()
-        runs = []
-        for bi, batch in enumerate(batches):
-            ids, mask = left_pad([p["input_ids"] for p in batch], pad_id)
-            for rep in range(cfg.repeats):
-                r = generate_once(m, target, draft, ids, mask, cfg=cfg, setting=setting, temperature=temp,
-                                  pad_id=pad_id, eos_ids=eos_ids, process=process)
-                bar.update()
-                key = (setting, temp, b, bi)
-                eq = None
-                if temp == 0:
-                    if m.kind == "plain" and rep == 0:
-                        plain_out[key] = r["tokens"]
-                    if key in plain_out:
-                        eq = greedy_equal(r["tokens"], plain_out[key])[0]
-                cats = sorted({p["category"] for p in batch})
-                sets = sorted({p["set"] for p in batch})
-                runs.append(r)
-                samples.append({
-                    "setting": setting, "temperature": temp, "batch_size": b, "method": m.name, "batch_index": bi,
-                    "repeat": rep, "prompt_ids": [p["id"] for p in batch],
-                    "category": cats[0] if len(cats) == 1 else "mixed", "prompt_set": sets[0] if len(sets) == 1
-                    else "mixed", "new_tokens": sum(len(t) for t in r["tokens"]), "wall_s": r["wall_s"],
-                    "ttft_s": r["ttft_s"], "tokens_per_s_e2e": safe_div(sum(len(t) for t in r["tokens"]),
-                                                                         r["wall_s"]),
-                    "tokens_per_s_decode": safe_div(sum(len(t) for t in r["tokens"]) - len(r["tokens"]),
-                                                    r["wall_s"] - r["ttft_s"]),
-                    "hit_rate": (r["ssd_stats"] or {}).get("hit_rate"),
-                    "mean_tokens_per_round": (r["ssd_stats"] or {}).get("mean_tokens_per_round"),
-                    "greedy_equal": eq, "threads": r["threads"],
-                })
-        agg = aggregate_runs(runs, b)
-        eqs = [s["greedy_equal"] for s in samples if s["setting"] == setting and s["temperature"] == temp
-               and s["batch_size"] == b and s["method"] == m.name]
-        agg["greedy_equal"] = None if temp != 0 or any(e is None for e in eqs) else all(eqs)
-        agg["greedy_equal_runs"] = None if agg["greedy_equal"] is None else f"{sum(eqs)}/{len(eqs)}"
-        results.append({"setting": setting, "temperature": temp, "batch_size": b, "method": m.name,
-                        "kind": m.kind, "option": m.option, "threads": runs[-1]["threads"] if runs else None, **agg})
+    ctx = dict(cfg=cfg, target=target, draft=draft, pad_id=pad_id, eos_ids=eos_ids, process=process, bar=bar,
+               plain_out=plain_out)
+    for setting, temp, b, ps, m, batches in units:
+        bar.set_postfix_str(f"{setting} T={temp} b={b} {ps} {m.name}")
+        if m.name in errors:  # an optional baseline that failed once is not retried
+            bar.update(len(batches) * cfg.repeats + _warmups(cfg, m))
+            continue
+        try:
+            row, unit_samples = _run_unit(setting, temp, b, ps, m, batches, **ctx)
+        except Exception as e:
+            if m.name not in OPTIONAL_METHODS:
+                raise
+            msg = " ".join(f"{type(e).__name__}: {e}".split())
+            errors[m.name] = {"setting": setting, "temperature": temp, "batch_size": b, "prompt_set": ps,
+                              "error": msg[:2000]}
+            print(f"warning: {m.name} failed and is left out of the report: {msg[:300]}", file=sys.stderr)
+            continue
+        results.append(row)
+        samples += unit_samples
     bar.close()
     add_speedups(results)
     torch.set_num_threads(min(2, os.cpu_count() or 2))
@@ -400,11 +455,14 @@ def _run_units(cfg, command, target, draft, tok, model_info, prompts, workers, s
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "duration_s": time.perf_counter() - t_start,
         "config": cfg.to_dict(),
+        "workload": cfg.workload,
         "models": model_info,
         "versions": versions(),
         "machine": {**machine_info(), "load_avg_at_start": load_at_start},
         "workers": {"available": workers, "skipped": skipped},
         "methods": [m.name for m in methods],
+        "method_errors": errors,
+        "prompt_sets": prompt_sets,
         "prompts": [{k: p[k] for k in ("id", "set", "category")} | {"tokens": len(p["input_ids"])} for p in prompts],
         "results": results,
         "samples": samples,
@@ -412,12 +470,87 @@ def _run_units(cfg, command, target, draft, tok, model_info, prompts, workers, s
     }
 
 
+def _warmups(cfg: BenchConfig, m: Method) -> int:
+    """Untimed generations before a unit's timing: cfg.warmup, and at least one for the compiled method (its first
+    call compiles; more follow while a warm-up still builds new graphs, up to 3 extra)."""
+    return max(cfg.warmup, 1) if m.compiled else cfg.warmup
+
+
+def _run_unit(setting, temp, b, ps, m, batches, *, cfg, target, draft, pad_id, eos_ids, process, bar, plain_out):
+    """Warm up, then time `cfg.repeats` passes over every batch; returns (result row, samples)."""
+    def gen(batch, max_new_tokens=None):
+        ids, mask = left_pad([p["input_ids"] for p in batch], pad=pad_id)
+        return generate_once(m, target, draft, ids, mask, cfg=cfg, setting=setting, temperature=temp, pad_id=pad_id,
+                             eos_ids=eos_ids, max_new_tokens=max_new_tokens, process=process)
+
+    t0, graphs = time.perf_counter(), compiled_graphs() if m.compiled else 0
+    n_warm = _warmups(cfg, m)
+    # untimed: first-call allocations, budget measurement, thread pools, torch.compile
+    for w in range(n_warm + (3 if m.compiled else 0)):
+        if w >= n_warm:  # compiled method: one more warm-up only while the last one still compiled something
+            if compiled_graphs() == graphs:
+                break
+        graphs = compiled_graphs() if m.compiled else 0
+        gen(batches[w % len(batches)], max_new_tokens=min(8, cfg.max_new_tokens))
+        if w < n_warm:
+            bar.update()
+    warmup_s = time.perf_counter() - t0
+    graphs_before = compiled_graphs() if m.compiled else 0
+    per_rep: list[list[dict[str, Any]]] = [[] for _ in range(cfg.repeats)]
+    samples, eqs = [], []
+    for rep in range(cfg.repeats):  # repeats outermost: a slow spell of the machine hits one repeat, not one batch
+        for bi, batch in enumerate(batches):
+            r = gen(batch)
+            bar.update()
+            key = (setting, temp, b, ps, bi)
+            eq = None
+            if temp == 0:
+                if m.kind == "plain" and rep == 0 and key not in plain_out:  # eager plain when it ran (it runs first)
+                    plain_out[key] = r["tokens"]
+                if key in plain_out:
+                    eq = greedy_equal(r["tokens"], plain_out[key])[0]
+            eqs.append(eq)
+            cats = sorted({p["category"] for p in batch})
+            n_new = sum(len(t) for t in r["tokens"])
+            per_rep[rep].append(r)
+            samples.append({
+                "setting": setting, "temperature": temp, "batch_size": b, "method": m.name, "batch_index": bi,
+                "repeat": rep, "prompt_ids": [p["id"] for p in batch],
+                "category": cats[0] if len(cats) == 1 else "mixed", "prompt_set": ps, "new_tokens": n_new,
+                "wall_s": r["wall_s"], "ttft_s": r["ttft_s"], "tokens_per_s_e2e": safe_div(n_new, r["wall_s"]),
+                "tokens_per_s_decode": safe_div(n_new - len(r["tokens"]), r["wall_s"] - r["ttft_s"]),
+                "hit_rate": (r["ssd_stats"] or {}).get("hit_rate"),
+                "mean_tokens_per_round": (r["ssd_stats"] or {}).get("mean_tokens_per_round"),
+                "greedy_equal": eq, "threads": r["threads"],
+            })
+    agg = aggregate_repeats(per_rep, b)
+    agg["greedy_equal"] = None if temp != 0 or any(e is None for e in eqs) else all(eqs)
+    agg["greedy_equal_runs"] = None if agg["greedy_equal"] is None else f"{sum(eqs)}/{len(eqs)}"
+    acc = agg.get("mean_accepted_hist")  # α with Σ_{i=1..K} α^i = mean accepted drafts per round
+    agg["alpha_est"] = _alpha_for(min(acc + 1.0, cfg.K + 1.0), cfg.K) if acc is not None else None
+    agg["warmup_s"] = warmup_s
+    if m.compiled:  # > 0 would mean compilation was timed: say so rather than hide it
+        agg["graphs_compiled_in_timed_runs"] = compiled_graphs() - graphs_before
+    last = per_rep[-1][-1] if per_rep and per_rep[-1] else None
+    row = {"setting": setting, "temperature": temp, "batch_size": b, "prompt_set": ps, "method": m.name,
+           "kind": m.kind, "option": m.option, "threads": last["threads"] if last else None, **agg}
+    return row, samples
+
+
 NOTES = [
     "tokens_per_s_e2e = new tokens / wall time of generate() (prefill included); tokens_per_s_decode = "
     "(new tokens - 1 per row) / (wall - time to first token). For SD/SSD the first token comes out of the first "
     "verify round, so its drafting is counted in the time to first token.",
-    "speedup_vs_* compare decode tokens/s within the same setting, temperature and batch size (_e2e: end-to-end). "
-    "hf_best = the fastest transformers assisted-generation schedule of that group (batch 1 only).",
+    "Each (setting, temperature, batch, prompt set, method) is warmed up untimed (torch.compile happens there), then "
+    "timed `repeats` times over every prompt batch; tokens/s = median over the repeats, with min-max in "
+    "*_stats (JSON) and in brackets (Markdown).",
+    "speedup_vs_* compare median decode tokens/s within the same setting, temperature, batch size and prompt set "
+    "(_e2e: end-to-end). plain = eager plain generate(); best_plain = the faster of plain and plain:static-compile; "
+    "hf_best = the fastest transformers speculative method of that group (assisted-generation schedules and prompt "
+    "lookup; batch 1 only).",
+    "alpha_est: per-token acceptance α whose capped-geometric mean Σ_{i=1..K} α^i equals the measured accepted "
+    "drafts per round (from the acceptance histogram; a property of the model pair, not of timing). Read it off "
+    "the sd row: SSD rows also count rounds the engine's backup speculator (e.g. n-gram) served after a cache miss.",
     "fraction_of_round_limit = decode tokens/s / (batch x mean tokens per round / mean verify time).",
     "greedy_equal: per-row tokens identical to plain generate() in the same setting and batch (T=0 only).",
     "paper setting: target on 1 thread in every method; parallel SSD workers add 1 draft thread. equal: every "

@@ -1,12 +1,13 @@
-"""`hf-ssd simulate`: the speed model of SPEC §6 (hf_ssd.core.speed_model), two ways. EVERY FIGURE HERE IS SIMULATED.
+"""`hf-ssd simulate`: the speed model of docs/algorithm.md §6 (hf_ssd.core.speed_model), two ways.
+EVERY FIGURE HERE IS SIMULATED.
 
 1. measured vs predicted on this machine: read a bench.json, turn its SD/SSD round statistics into RoundTimings
    (verify, tree, draft step, backup) and hit/acceptance rates, predict SD and SSD tokens/s, and put the measured
    tokens/s next to them.
 2. the paper's setting (Llama-3.1-70B verifying on 4×H100, Llama-3.2-1B drafting on its own H100, batch 1,
-   greedy, K=7, 24 branches): from published numbers (SPEC §8: AR 54.7 tok/s, SD 161.8 tok/s, SSD 255.8 tok/s)
-   plus stated assumptions, predict what our engine's algorithm would reach there and compare with the paper's
-   1.58× over SD and 4.68× over plain.
+   greedy, K=7, 24 branches): from published numbers (docs/algorithm.md §8: AR 54.7 tok/s, SD 161.8 tok/s,
+   SSD 255.8 tok/s) plus stated assumptions, predict what our engine's algorithm would reach there and compare
+   with the paper's 1.58× over SD and 4.68× over plain.
 """
 from __future__ import annotations
 
@@ -20,10 +21,10 @@ from hf_ssd.core.speed_model import RoundTimings, expected_tokens_per_round, pre
 
 LABEL = "SIMULATED"
 
-# ---- the paper's setting: published numbers (SPEC §8) and our assumptions -----------------------------------------
+# ---- the paper's setting: published numbers (docs/algorithm.md §8) and our assumptions ---------------------------
 PAPER = {
     "source": "Kumar, Dao, May, 'Speculative Speculative Decoding' (arXiv 2603.03251), as summarised in "
-              "shared/SPEC.md §8: H100, Llama-3.1-70B target / Llama-3.2-1B draft, batch 1, greedy, 512 tokens",
+              "docs/algorithm.md §8: H100, Llama-3.1-70B target / Llama-3.2-1B draft, batch 1, greedy, 512 tokens",
     "ar_tps": 54.7, "sd_tps": 161.8, "ssd_tps": 255.8, "ssd_over_sd": 1.58, "ssd_over_ar": 4.68,
     "K": 7, "branches": 24, "claimed_hit_rate": 0.90,
 }
@@ -31,7 +32,7 @@ PAPER = {
 
 @dataclass(frozen=True)
 class PaperAssumptions:
-    """Inputs not published in SPEC §8; each with the reason for its value."""
+    """Inputs not published in the paper (docs/algorithm.md §8); each with the reason for its value."""
 
     verify_over_ar_step: float = 1.0  # 70B bf16 on 4 GPUs is memory-bound: verifying 8 tokens ≈ one AR step
     draft_step_ms: float = 2.5  # 1B bf16 on one H100 with CUDA graphs: ~2-3 ms per decode step (typical, assumed)
@@ -43,7 +44,7 @@ class PaperAssumptions:
 
 
 def paper_prediction(a: PaperAssumptions = PaperAssumptions()) -> dict[str, Any]:
-    """Back out tokens/round from the paper's SD number, then predict SSD with SPEC §6. SIMULATED."""
+    """Back out tokens/round from the paper's SD number, then predict SSD with docs/algorithm.md §6. SIMULATED."""
     K = PAPER["K"]
     ar_step_ms = 1000.0 / PAPER["ar_tps"]
     verify_ms = ar_step_ms * a.verify_over_ar_step
@@ -117,8 +118,8 @@ def measured_vs_predicted(report: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     groups: dict[tuple, dict[str, dict]] = {}
     for r in report["results"]:
-        groups.setdefault((r["setting"], r["temperature"], r["batch_size"]), {})[r["method"]] = r
-    for (setting, temp, b), g in groups.items():
+        groups.setdefault((r["setting"], r["temperature"], r["batch_size"], r.get("prompt_set")), {})[r["method"]] = r
+    for (setting, temp, b, prompt_set), g in groups.items():
         sd = g.get("sd")
         for name, ssd in g.items():
             if not name.startswith("ssd:") or ssd.get("fallback_reason") or sd is None or not ssd.get("phase_means_s") or not sd.get("phase_means_s"):
@@ -132,7 +133,8 @@ def measured_vs_predicted(report: dict[str, Any]) -> list[dict[str, Any]]:
             # serial (inline) variant: the tree is built after the verify, not during it
             serial = b * x["e_ssd"] / (t.verify_s + t.tree_s + x["timings"].backup_s * (1 - x["p_hit"]))
             rows.append({
-                "label": LABEL, "setting": setting, "temperature": temp, "batch_size": b, "method": name,
+                "label": LABEL, "setting": setting, "temperature": temp, "batch_size": b, "prompt_set": prompt_set,
+                "method": name,
                 "inputs": {**asdict(t), "p_hit": x["p_hit"], "e_ssd": x["e_ssd"], "e_sd": x["e_sd"]},
                 "predicted_ar_tps": pred_ssd.ar_tps, "predicted_sd_tps": pred_sd.sd_tps,
                 "predicted_ssd_tps_parallel": pred_ssd.ssd_tps, "predicted_ssd_tps_serial": serial,
@@ -148,8 +150,8 @@ def _f(v, spec=".2f"):
 
 def markdown(sim: dict[str, Any]) -> str:
     lines = [f"# Speed model ({LABEL})", "",
-             f"All figures below are **{LABEL}** from the formula in SPEC §6 (hf_ssd.core.speed_model), not measured, "
-             "except the columns marked measured.", ""]
+             f"All figures below are **{LABEL}** from the formula in docs/algorithm.md §6 (hf_ssd.core.speed_model), "
+             "not measured, except the columns marked measured.", ""]
     mv = sim.get("measured_vs_predicted") or []
     if mv:
         lines += ["## This machine: predicted (SIMULATED) vs measured decode tokens/s", "",
