@@ -23,8 +23,10 @@ class DraftModel:
         greedy: bool,
         downweight: float,
         generator: torch.Generator | None,
+        kv=None,
     ):
-        self.kv = CachedModel(model, batch_size)
+        # kv: the cache to use (default: a CachedModel); runtime.static_kv.StaticCachedModel for the static path
+        self.kv = CachedModel(model, batch_size) if kv is None else kv
         self.vocab_size = vocab_size
         self.warpers = LogitsProcessorList([p for p in processors if isinstance(p, INPUT_INDEPENDENT)])
         self.greedy = greedy

@@ -36,6 +36,8 @@ def make_drafter(config: SSDConfig, draft: DraftModel, stats: SSDStats, budget: 
         from hf_ssd.workers.process import ProcessDrafter
 
         return ProcessDrafter(draft, config, stats, budget, greedy, process)
+    if getattr(draft.kv, "static", False):  # a static (compilable) draft cache: runtime.static_kv
+        from hf_ssd.draft.static_saguaro import StaticSaguaroDrafter as SaguaroDrafter
     inner = SaguaroDrafter(draft, config, stats, budget, greedy)
     if kind == "thread":
         from hf_ssd.workers.thread import ThreadDrafter

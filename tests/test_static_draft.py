@@ -1,0 +1,351 @@
+"""The static, fixed-shape, sync-free (and compiled) draft side (`ssd_compile`): runtime.static_kv +
+draft.static_saguaro.
+
+- the static cache gives CachedModel's logits (holes, rewinds, dead rows) and the static tree masks are
+  `tree_attend`'s, element by element;
+- greedy output equals plain generate() on every tiny architecture (static cache, compile off), with left padding
+  and rows finishing early, and drafts exactly what the dynamic cache drafts (same rounds, same hits);
+- at T > 0 it draws exactly what the dynamic drafter draws with the same seeds and the same tree width: same
+  tokens, same q (so its output law is the dynamic path's, which test_sampling_exact checks);
+- nothing on the hot path (glue, fork, K tree steps, lookup) reads a tensor on the host;
+- compiled (CPU inductor): identical output, zero graph breaks, no recompilation from round to round nor across
+  generate() calls, warm-up reported and reused.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+import hf_ssd
+import hf_ssd.draft.saguaro as saguaro_mod
+from hf_ssd.config import SSDConfig
+from hf_ssd.core.tree import fork
+from hf_ssd.core.types import Forks, Outcome, Verdict
+from hf_ssd.draft.model import DraftModel
+from hf_ssd.draft.saguaro import SaguaroDrafter
+from hf_ssd.draft.static_saguaro import StaticSaguaroDrafter
+from hf_ssd.runtime import static_kv
+from hf_ssd.runtime.kv import CachedModel
+from hf_ssd.runtime.static_kv import StaticCachedModel, slot_allowed
+from hf_ssd.runtime.stats import SSDStats
+from hf_ssd.testing import ARCHS, VOCAB, get_pair, left_pad, plain_generate, prompt, ssd_generate
+
+try:
+    from hf_ssd.testing import tree_attend_reference
+except ImportError:  # older layout
+    from hf_ssd.core.tree import tree_attend_reference
+
+K, BUDGET = 3, 4  # glue and tree steps both 4 tokens wide: one compiled graph per (model, batch)
+# backup "jit": the "auto" policy weighs measured times, so two runs could pick different backups
+STATIC = dict(ssd_compile=True, ssd_num_draft_tokens=K, ssd_budget=BUDGET, ssd_worker="inline", ssd_backup="jit")
+
+
+@pytest.fixture
+def eager(monkeypatch):
+    """The static path without torch.compile (fast; what every exactness property is about)."""
+    monkeypatch.setattr(static_kv, "COMPILE_ENABLED", False)
+
+
+def _batch():
+    """Three left-padded rows of different lengths (one of length 1: no prefill)."""
+    return left_pad([prompt(11, seed=14)[0], prompt(5, seed=15)[0], prompt(1, seed=3)[0]])
+
+
+# ---- the cache and the masks ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_static_cache_matches_dynamic_cache(arch):
+    m = get_pair(arch).target
+    ids, mask = _batch()
+    pos = (mask.cumsum(1) - 1).clamp_min(0)
+    dyn, sta = CachedModel(m, 3), StaticCachedModel(m, 3, 64)
+
+    def both(tokens, positions, valid=None):
+        a, b = dyn.forward(tokens, positions, valid), sta.forward(tokens, positions, valid)
+        keep = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid.bool()
+        torch.testing.assert_close(b[keep], a[keep], atol=2e-5, rtol=0)
+        assert torch.equal(dyn.next_position(), sta.next_position())
+
+    both(ids, pos, mask.bool())  # prefill with left-padding holes
+    B = ids.shape[0]
+    for rnd in range(3):
+        nxt = dyn.next_position()
+        both(torch.randint(2, 90, (B, 3)), nxt[:, None] + torch.arange(3))
+        keep = torch.tensor([1, 3, 2]) - rnd % 2  # rewind each row to a different length
+        dyn.invalidate(dyn.length - 3 + keep[: dyn.valid.shape[0]])
+        sta.invalidate(sta.write_pointer() - 3 + keep[: dyn.valid.shape[0]])
+        dyn.trim()
+        sta.trim()
+        if rnd == 1:  # row 0 finishes: a dead row of the static batch
+            dyn.select_rows(torch.tensor([1, 2]))
+            sta.select_rows(torch.tensor([1, 2]))
+            B = 2
+    assert sta.valid.shape == (2, 64)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_static_tree_masks_equal_reference(seed):
+    """The slot-space mask of tree step `step` is tree_attend's, row by row, with rows at different offsets."""
+    g = torch.Generator().manual_seed(seed)
+    B, L0 = 3, int(torch.randint(0, 9, (1,), generator=g))
+    Kt, N = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 7, (1,), generator=g))
+    past_valid = torch.rand(B, L0, generator=g) < 0.7
+    n = torch.randint(0, Kt + 1, (B,), generator=g)
+    glue_valid = torch.cat([torch.ones(B, 1, dtype=torch.bool), torch.arange(Kt)[None] < n[:, None]], 1)
+    forks = Forks(torch.randint(0, 50, (B, N), generator=g),
+                  torch.minimum(torch.randint(0, Kt + 1, (B, N), generator=g), n[:, None]),
+                  torch.rand(B, N, generator=g) < 0.8)
+    shift = torch.randint(0, 4, (B,), generator=g)  # row b's slots start `shift` holes later
+    M = 4 + L0 + Kt + 1 + Kt * N + 5
+    slot_ids = torch.arange(M)
+    for step in range(1, Kt + 1):
+        valid = torch.zeros(B, M, dtype=torch.bool)
+        for b in range(B):
+            s = int(shift[b])
+            cols = torch.cat([past_valid[b], glue_valid[b]] + [forks.valid[b]] * step)
+            valid[b, s:s + cols.numel()] = cols  # slots past the write pointer stay invalid (the invariant)
+        glue = shift + L0
+        allowed = slot_allowed(valid, glue[:, None] + forks.depth, torch.arange(N)[None].expand(B, N),
+                               glue + Kt + 1, slot_ids, N)
+        ref = tree_attend_reference(past_valid, glue_valid, forks, step)
+        for b in range(B):
+            s = int(shift[b])
+            assert torch.equal(allowed[b, :, s:s + ref.shape[2]], ref[b])
+            assert not allowed[b, :, :s].any() and not allowed[b, :, s + ref.shape[2]:].any()
+
+
+def test_static_cache_full_is_a_clear_error():
+    sta = StaticCachedModel(get_pair("llama").target, 1, 8)
+    sta.forward(torch.tensor([[5, 6, 7, 8, 9, 10]]), torch.arange(6)[None])
+    with pytest.raises(RuntimeError, match="static draft cache is full"):
+        sta.forward(torch.tensor([[5, 6, 7]]), torch.arange(6, 9)[None])
+
+
+def test_compile_option_is_validated():
+    assert SSDConfig(compile="auto").compile == "auto"
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="ssd_compile"):
+            SSDConfig(compile=bad)
+
+
+# ---- greedy identity (static cache, compile off) ----------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_identity_static_eager(arch, eager):
+    p = get_pair(arch)
+    ids, mask = _batch()
+    free = plain_generate(p.target, ids[:1], attention_mask=mask[:1], max_new_tokens=20)
+    eos = int(free[0, ids.shape[1] + 4])  # row 0 stops early; the others run on (or stop where they meet it)
+    ref = plain_generate(p.target, ids, attention_mask=mask, max_new_tokens=20, eos_token_id=eos)
+    for draft in (p.related, p.shallow):
+        outs = []
+        for compile_ in (False, True):
+            out = ssd_generate(p.target, draft, ids, attention_mask=mask, max_new_tokens=20, eos_token_id=eos,
+                               return_dict_in_generate=True, **{**STATIC, "ssd_compile": compile_})
+            assert torch.equal(out.sequences, ref), (out.sequences.tolist(), ref.tolist())
+            outs.append(out.ssd_stats)
+        dyn, sta = outs
+        assert sta["draft_static"] and not dyn["draft_static"] and sta["fallback_reason"] is None
+        # the same drafts: the same rounds, acceptances and cache hits as the dynamic cache
+        for key in ("rounds", "accept_hist", "cache_hits", "backup_rounds", "per_row"):
+            assert sta[key] == dyn[key], key
+
+
+@pytest.mark.parametrize("K_", [1, 4])
+def test_identity_static_eager_other_shapes(K_, eager):
+    """K+1 != N (two widths), K = 1, fixed fan-out lists larger than the budget, the thread worker."""
+    p = get_pair("llama")
+    ids, mask = _batch()
+    ref = plain_generate(p.target, ids, attention_mask=mask, max_new_tokens=16)
+    fan = [3] * (K_ + 1)
+    out = ssd_generate(p.target, p.related, ids, attention_mask=mask, max_new_tokens=16, ssd_compile=True,
+                       ssd_num_draft_tokens=K_, ssd_budget=2, ssd_fanout=fan, ssd_worker="thread",
+                       return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert out.ssd_stats["draft_static"] and out.ssd_stats["fallback_reason"] is None
+
+
+# ---- T > 0: the same draws as the dynamic drafter ---------------------------------------------------------------------
+def _pair_of_drafters(model, B, greedy, downweight, warpers, seed, backup="jit"):
+    config = SSDConfig(mode="ssd", num_draft_tokens=K, budget=BUDGET, downweight=downweight, backup=backup,
+                       worker="inline", draft_quantize=None)
+    out = []
+    for static in (False, True):
+        gen = None if greedy else torch.Generator().manual_seed(seed)
+        kv = StaticCachedModel(model, B, 128) if static else None
+        dm = DraftModel(model, B, VOCAB, warpers, greedy, downweight, gen, kv)
+        cls = StaticSaguaroDrafter if static else SaguaroDrafter
+        out.append(cls(dm, config, SSDStats(), BUDGET, greedy))
+    return out
+
+
+def test_sampled_static_draws_what_dynamic_draws(eager, monkeypatch):
+    """Same seeds, same tree width (the dynamic fork padded to the budget): every round's tree tokens and q, and
+    every speculation handed over (cache hit or JIT backup), are the dynamic drafter's."""
+    monkeypatch.setattr(saguaro_mod, "fork", functools.partial(fork, width=BUDGET))
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.9), TopKLogitsWarper(40), TopPLogitsWarper(0.95)])
+    model = get_pair("gemma3").related
+    ids, mask = _batch()
+    dyn, sta = _pair_of_drafters(model, 3, False, 0.5, warpers, seed=7)
+    specs = [d.start(ids, mask) for d in (dyn, sta)]
+    rows = 3
+    for rnd in range(6):
+        for d, s in zip((dyn, sta), specs):
+            d.begin(s)
+        torch.testing.assert_close(sta.cache.q, dyn.cache.q, atol=1e-5, rtol=0)
+        assert torch.equal(sta.cache.tokens, dyn.cache.tokens)
+        assert torch.equal(sta.cache.forks.tokens, dyn.cache.forks.tokens)
+        spec = specs[0]
+        g = torch.Generator().manual_seed(100 + rnd)
+        k = torch.minimum(torch.randint(0, K + 1, (rows,), generator=g), spec.n)
+        # half the rows take a bonus from the tree (a hit), the others a random token (a miss -> JIT backup)
+        f = dyn.cache.forks
+        guess = torch.where(f.valid & (f.depth == k[:, None]), f.tokens, -1).max(dim=1).values
+        bonus = torch.where((torch.rand(rows, generator=g) < 0.5) & (guess >= 0), guess,
+                            torch.randint(2, VOCAB - 1, (rows,), generator=g))
+        keep = torch.ones(rows, dtype=torch.bool)
+        if rnd == 3:
+            keep[0] = False  # a row finishes: a dead row of the static batch
+        contexts = [torch.arange(5)] * int(keep.sum())
+        verdict = Verdict(Outcome(k, bonus), keep, contexts, [torch.ones(5)] * len(contexts), 0.01)
+        results = [d.resolve(verdict) for d in (dyn, sta)]
+        a, b = results[0].spec, results[1].spec
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.n, b.n) and torch.equal(a.source, b.source)
+        torch.testing.assert_close(b.q, a.q, atol=1e-5, rtol=0)
+        assert torch.equal(results[0].hits, results[1].hits)
+        specs = [a, b]
+        rows = int(keep.sum())
+    assert sta.stats.cache_hits > 0 and sta.stats.backup_rounds["jit"] > 0
+
+
+def test_sampled_generate_static_equals_dynamic(eager, monkeypatch):
+    monkeypatch.setattr(saguaro_mod, "fork", functools.partial(fork, width=BUDGET))
+    p = get_pair("llama")
+    ids, mask = _batch()
+    outs = []
+    for compile_ in (False, True):
+        torch.manual_seed(11)
+        outs.append(ssd_generate(p.target, p.related, ids, attention_mask=mask, max_new_tokens=20, do_sample=True,
+                                 temperature=1.0, top_k=0, ssd_downweight=0.5, return_dict_in_generate=True,
+                                 **{**STATIC, "ssd_compile": compile_}))
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert outs[1].ssd_stats["draft_static"]
+    for key in ("rounds", "cache_hits", "accept_hist"):
+        assert outs[0].ssd_stats[key] == outs[1].ssd_stats[key]
+
+
+# ---- no host reads on the hot path ------------------------------------------------------------------------------------
+SYNC_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero")
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """Counts every Python-level read of a tensor's values on the host while `counting` is set."""
+    calls: list[str] = []
+    state = {"on": False}
+    for name in SYNC_METHODS:
+        original = getattr(torch.Tensor, name)
+
+        def patched(self, *args, _name=name, _original=original, **kwargs):
+            if state["on"]:
+                calls.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, patched)
+    original_nonzero = torch.nonzero
+
+    def nonzero(*args, **kwargs):
+        if state["on"]:
+            calls.append("torch.nonzero")
+        return original_nonzero(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "nonzero", nonzero)
+    return calls, state
+
+
+@pytest.mark.parametrize("arch,greedy", [(a, True) for a in ARCHS] + [("llama", False), ("gemma3", False)])
+def test_no_host_sync_on_the_hot_path(arch, greedy, host_reads, eager):
+    """From the start of a round's tree to its lookup (glue forward, fork, K tree steps with proposals, lookup),
+    the static drafter never reads a tensor on the host; also with a dead row in the batch."""
+    calls, state = host_reads
+    warpers = LogitsProcessorList([] if greedy else [TemperatureLogitsWarper(0.8), TopKLogitsWarper(20),
+                                                     TopPLogitsWarper(0.9)])
+    model = get_pair(arch).related
+    ids, mask = _batch()
+    _, sta = _pair_of_drafters(model, 3, greedy, 0.5, warpers, seed=3)
+    spec = sta.start(ids, mask)
+    rows = 3
+    for rnd in range(3):
+        state["on"] = True
+        sta.begin_no_sync(spec)
+        k = torch.zeros(rows, dtype=torch.long)
+        outcome = Outcome(k, sta.cache.forks.tokens[:, 0])
+        hit, branch = sta.cache.lookup(outcome)
+        state["on"] = False
+        assert calls == [], f"round {rnd}: host reads {calls}"
+        keep = torch.ones(rows, dtype=torch.bool)
+        keep[0] = rnd != 0  # row 0 finishes after the first round
+        verdict = Verdict(outcome, keep, [torch.arange(5)] * int(keep.sum()), [torch.ones(5)] * int(keep.sum()), 0.0)
+        spec = sta.resolve(verdict).spec
+        rows = int(keep.sum())
+    # the check itself works
+    state["on"] = True
+    bool(torch.ones(()))
+    state["on"] = False
+    assert calls == ["__bool__"]
+
+
+# ---- compiled -----------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def dynamo(monkeypatch):
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    with inductor_config.patch(compile_threads=1):  # no worker pool: faster on a small machine
+        yield counters
+
+
+@pytest.mark.parametrize("B", [1, 2])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_compiled_identity_no_breaks_no_recompiles(arch, B, dynamo):
+    counters = dynamo
+    p = get_pair(arch)
+    ids, mask = left_pad([prompt(9, seed=20 + i)[0] for i in range(B)])
+    new = 48
+    info = hf_ssd.warmup(p.target, p.related, batch_size=B, max_new_tokens=new, prompt_len=ids.shape[1], K=K,
+                         budget=BUDGET, progress=False)
+    assert info["compiled"] and info["widths"] == [K + 1]
+    graphs = counters["stats"]["unique_graphs"]
+    ref = plain_generate(p.target, ids, attention_mask=mask, max_new_tokens=new)
+    worker = "thread" if B == 2 else "inline"  # compiled graphs run in the draft thread too
+    for attempt in range(2):
+        # a second generate() reuses the graphs; any recompilation would be an error (and a fallback_reason)
+        with torch._dynamo.config.patch(error_on_recompile=attempt == 1):
+            out = ssd_generate(p.target, p.related, ids, attention_mask=mask, max_new_tokens=new,
+                               return_dict_in_generate=True, **{**STATIC, "ssd_worker": worker})
+        st = out.ssd_stats
+        assert torch.equal(out.sequences, ref)
+        assert st["draft_static"] and st["draft_compiled"] and st["fallback_reason"] is None
+        assert st["draft_compile_s"] == 0.0  # compiled by the warm-up
+        assert st["rounds"] >= 20
+    assert counters["stats"]["unique_graphs"] == graphs  # no new graph in 2 generations of 20+ rounds
+    assert not counters["graph_break"]
+    assert info["compile_s"] > 0 or graphs == 0
+
+
+def test_compile_auto_on_cpu_probes_once(dynamo):
+    """"auto" on CPU: one measured probe (eager vs compiled tree forward), kept per process; exact either way."""
+    p = get_pair("llama")
+    ids, mask = left_pad([prompt(9, seed=20)[0]])
+    ref = plain_generate(p.target, ids, attention_mask=mask, max_new_tokens=24)
+    for _ in range(2):
+        out = ssd_generate(p.target, p.related, ids, attention_mask=mask, max_new_tokens=24,
+                           return_dict_in_generate=True, **{**STATIC, "ssd_compile": "auto"})
+        assert torch.equal(out.sequences, ref)
+    entries = static_kv.registry_entries(p.related)
+    probed = [e.probe for e in entries if e.batch == 1 and e.probe]
+    assert probed and all(list(pr) == [BUDGET] for pr in probed)
+    assert out.ssd_stats["draft_static"] == probed[0][BUDGET]
