@@ -4,13 +4,33 @@ from __future__ import annotations
 import torch
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+BAD_PROBS = "probability tensor contains either `inf`, `nan` or element < 0"
+
+
+def check_probs(probs: torch.Tensor) -> None:
+    """Raise RuntimeError (the message torch.multinomial gives plain generate()) if any entry is NaN, inf or < 0.
+
+    One reduction over the whole tensor and one host read per call. A NaN must never become a token: the search
+    below would turn it into the last vocabulary id. On the draft side the error is a draft failure (the fallback
+    chain takes over); on the target side it reaches the caller, as in plain sampling."""
+    if probs.numel() == 0:
+        return
+    low, high = torch.aminmax(probs)
+    if not bool((low >= 0) & (high < float("inf"))):  # NaN fails both comparisons
+        raise RuntimeError(BAD_PROBS)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None, check: bool = True) -> torch.Tensor:
     """One token per row of a [..., V] probability tensor (rows need not be normalised).
 
     Inverse-CDF sampling on a float64 cumulative sum: one uniform per row and a binary search, ~10x faster than
-    torch.multinomial on a 150k vocabulary, and tokens with zero probability are never drawn.
+    torch.multinomial on a 150k vocabulary, and tokens with zero probability are never drawn. Non-finite or
+    negative entries raise RuntimeError (`check_probs`); check=False skips that host read (the caller checks later,
+    before any drawn token is used).
     """
     V = probs.shape[-1]
+    if check:
+        check_probs(probs)
     cdf = probs.reshape(-1, V).double().cumsum(dim=-1)
     u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).clamp_max(V - 1).reshape(probs.shape[:-1])
@@ -29,8 +49,13 @@ def saguaro_probs(scores: torch.Tensor, fanout: torch.Tensor | int, downweight: 
     Tokens masked to -inf by warpers stay at probability 0.
     """
     probs = torch.softmax(scores.float(), dim=-1)
-    if downweight >= 1.0:
+    if downweight >= 1.0 or (isinstance(fanout, int) and fanout == 0):
         return probs
+    if isinstance(fanout, int):  # one F for every row: the same weights, without a host read
+        top = probs.topk(min(fanout, probs.shape[-1]), dim=-1).indices
+        weighted = probs * torch.ones_like(probs).scatter_(-1, top, downweight)
+        total = weighted.sum(dim=-1, keepdim=True)
+        return torch.where(total > 0, weighted / total.clamp_min(torch.finfo(probs.dtype).tiny), probs)
     F = torch.as_tensor(fanout, device=scores.device).expand(scores.shape[:-1])
     f_max = int(F.max().item()) if F.numel() else 0
     if f_max == 0:

@@ -41,6 +41,9 @@ class SaguaroDrafter(Drafter):
     def __init__(self, draft: DraftModel, config: SSDConfig, stats: SSDStats, budget: int, greedy: bool):
         self.draft, self.config, self.stats, self.greedy = draft, config, stats, greedy
         self.K = config.num_draft_tokens
+        # No tree holds more distinct outcomes (k, t*) than this: V-1 bonus guesses after each of k < K accepted
+        # drafts (a rejected draft is never the bonus), V after all K; a larger budget would only cost time.
+        budget = max(1, min(budget, (self.K + 1) * (draft.vocab_size - 1) + 1))
         self.planner = FanoutPlanner(
             budget, self.K, alpha=config.alpha, r=config.power_r, fanout=config.fanout,
             fanout_after_miss=config.fanout_after_miss,

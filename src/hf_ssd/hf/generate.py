@@ -56,9 +56,9 @@ def _config_from_models(*models) -> SSDConfig | None:
             return config_from_dict(stored, source=f"{name}.generation_config.ssd_config")
         path = Path(str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "_"))
         if (path / CONFIG_NAME).is_file():
-            import json
+            from hf_ssd.hf.hub import _read_json
 
-            return config_from_dict(json.loads((path / CONFIG_NAME).read_text()), source=str(path / CONFIG_NAME))
+            return config_from_dict(_read_json(path / CONFIG_NAME), source=str(path / CONFIG_NAME))
     return None
 
 
@@ -94,9 +94,18 @@ def generate(
                                   custom_generate=custom_generate, **kwargs)
     if custom_generate is not None:
         raise ValueError("ssd=True already sets the decoding loop; drop custom_generate.")
+    if assistant_model is not None and not (isinstance(assistant_model, torch.nn.Module)
+                                            and hasattr(assistant_model, "config")):
+        raise TypeError(
+            f"assistant_model must be a transformers model (a causal LM such as AutoModelForCausalLM.from_pretrained"
+            f"(...)) that shares the target's tokenizer, got {type(assistant_model).__name__} {assistant_model!r:.60}"
+        )
     base = ssd_config if ssd_config is not None else _config_from_models(assistant_model, self)
     worker_handle = kwargs.get("ssd_worker")
-    if isinstance(worker_handle, DraftProcess):  # a kept-alive draft process (see process_worker)
+    if isinstance(worker_handle, DraftProcess):  # a kept-alive draft process (see hf_ssd.workers.process)
+        if worker_handle.closed:
+            raise ValueError("ssd_worker is a DraftProcess that was closed; create a new one "
+                             "(hf_ssd.DraftProcess(draft)) or pass ssd_worker=\"process\" for a per-call process.")
         if worker_handle.model is not assistant_model:
             raise ValueError("ssd_worker is a DraftProcess for a different draft model; pass the same assistant_model.")
         kwargs["ssd_worker"] = "process"
@@ -122,11 +131,18 @@ def generate(
         shared["stopping_criteria"].append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
 
     ids = inputs if inputs is not None else kwargs.get("input_ids")
+    _check_mask(ids, kwargs.get("attention_mask"))
     batch_size = ids.shape[0] if ids is not None and ids.dim() == 2 else 1
     decode = functools.partial(_ssd_decode, draft=assistant_model, config=config, streamer=streamer,
                                generator=generator, worker=worker_handle)
     return _ORIGINAL_GENERATE(self, **shared, custom_generate=_with_checks(decode, dict(kwargs), batch_size, streamer),
                               **kwargs)
+
+
+def _check_mask(input_ids, mask) -> None:
+    if isinstance(input_ids, torch.Tensor) and isinstance(mask, torch.Tensor) and mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but input_ids has shape "
+                         f"{tuple(input_ids.shape)}; pass one mask entry per input token (as the tokenizer returns).")
 
 
 def _with_checks(decode, kwargs, batch_size, streamer):
@@ -144,6 +160,8 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
     mask = model_kwargs.get("attention_mask")
     if mask is None:
         mask = torch.ones_like(input_ids)
+    else:
+        _check_mask(input_ids, mask)
     if streamer is not None:
         streamer.put(input_ids.cpu())
     try:

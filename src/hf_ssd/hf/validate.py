@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from hf_ssd.runtime.kv import attention_layout
@@ -48,6 +49,25 @@ def check_pair(target: PreTrainedModel, draft: PreTrainedModel | None, tokenizer
             )
 
 
+def check_draft_device(name: str) -> torch.device:
+    """The device `ssd_draft_device` names, refused (before anything moves) if this machine cannot hold the draft."""
+    device = torch.device(name)
+    if device.type == "meta":
+        raise ValueError(f"ssd_draft_device={name!r} is invalid: 'meta' holds no weights; use a real device")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"ssd_draft_device={name!r} is invalid: CUDA is not available on this machine; use "
+                             "'cpu' or leave ssd_draft_device unset")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"ssd_draft_device={name!r} is invalid: this machine has {torch.cuda.device_count()} "
+                             "CUDA device(s)")
+    elif device.type not in ("cpu",):
+        backend = getattr(torch, device.type, None)
+        if backend is None or not getattr(backend, "is_available", lambda: False)():
+            raise ValueError(f"ssd_draft_device={name!r} is invalid: {device.type} is not available here")
+    return device
+
+
 def check_generation(config: GenerationConfig, kwargs: dict[str, Any], batch_size: int, streamer: Any) -> None:
     if config.num_beams is not None and config.num_beams > 1:
         raise ValueError(f"num_beams={config.num_beams} cannot be combined with ssd=True; use num_beams=1.")
@@ -60,6 +80,18 @@ def check_generation(config: GenerationConfig, kwargs: dict[str, Any], batch_siz
         raise ValueError(
             "guidance_scale (classifier-free guidance) keeps state across steps and cannot be verified "
             "speculatively; drop guidance_scale or generate without ssd=True."
+        )
+    if config.penalty_alpha is not None and config.penalty_alpha != 0:
+        raise ValueError(
+            f"penalty_alpha={config.penalty_alpha} (contrastive search) cannot be combined with ssd=True: contrastive "
+            "search re-ranks candidates with the model's hidden states, which speculative verification does not "
+            "reproduce; drop penalty_alpha or generate without ssd=True."
+        )
+    if getattr(config, "dola_layers", None) is not None:
+        raise ValueError(
+            f"dola_layers={config.dola_layers!r} (DoLa decoding) cannot be combined with ssd=True: it contrasts early "
+            "layers' logits, which speculative verification does not reproduce; drop dola_layers or generate "
+            "without ssd=True."
         )
     cache_impl = config.cache_implementation
     if cache_impl not in (None, "dynamic"):

@@ -46,7 +46,36 @@ def attention_layout(model: PreTrainedModel) -> tuple[list[str] | None, int | No
     return None, window if isinstance(window, int) and window > 0 else None
 
 
+POSITION_TABLE_NAMES = ("wpe", "embed_positions", "position_embeddings", "pos_embed", "position_embedding")
+
+
+def position_limit(model: PreTrainedModel) -> int | None:
+    """How many positions a model with learned absolute position embeddings (a table: GPT-2's `wpe`, OPT's
+    `embed_positions`, ...) can address; None for rotary, ALiBi and other models without such a table."""
+    table = None
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in POSITION_TABLE_NAMES:
+            table = module
+            break
+    if table is None:
+        return None
+    text = model.config.get_text_config()
+    for key in ("n_positions", "max_position_embeddings"):
+        value = getattr(text, key, None)
+        if isinstance(value, int) and value > 0:
+            return min(value, table.num_embeddings)
+    return table.num_embeddings
+
+
 class CachedModel:
+    """A model and its slot cache.
+
+    Position ids are clamped to the last one a learned position table has (`position_limit`): a verify block or a
+    draft tree may reach past it, but a token in such a slot predicts at least two tokens past the last position
+    the model has, which plain generate() cannot reach either (it fails there), so no committed token depends on a
+    clamped slot. Models whose positions are computed (rotary, ALiBi) are never clamped.
+    """
+
     def __init__(self, model: PreTrainedModel, batch_size: int):
         self.model = model
         self.device = input_device(model)
@@ -57,6 +86,7 @@ class CachedModel:
         self.pos = torch.zeros(batch_size, 0, dtype=torch.long, device=self.device)
         self.forwards = 0
         self.cache_kw = cache_argument(model)
+        self.max_position = position_limit(model)
 
     @property
     def length(self) -> int:
@@ -108,8 +138,10 @@ class CachedModel:
             }
         else:
             mask = self._mask(attend, positions, self.window)
+        model_positions = positions if self.max_position is None else positions.clamp_max(self.max_position - 1)
         out = self.model(
-            input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True, **{self.cache_kw: self.cache}
+            input_ids=tokens, position_ids=model_positions, attention_mask=mask, use_cache=True,
+            **{self.cache_kw: self.cache},
         )
         self.valid = torch.cat([self.valid, new_valid], dim=1)
         self.pos = torch.cat([self.pos, positions], dim=1)

@@ -3,10 +3,22 @@
 Plain decoding calls `processors(input_ids, scores)` once per token with that token's own prefix. A verify
 forward yields K+1 positions at once; each must see its own prefix (committed tokens + drafts before it), so
 input-dependent processors (repetition penalty, no-repeat-ngram, min-new-tokens, bad words) stay exact.
+
+Which processors are exact: every processor whose output is a pure function of (input_ids, scores), because SSD
+calls it more often than plain decoding and in another order: once per position of every verified block, on
+prefixes that end in drafts the target may reject, and possibly again for the same prefix. That covers all of
+transformers' own processors in `transformers.generation.logits_process` that SSD accepts (temperature, top-k/p,
+min-p, typical, epsilon/eta, repetition and presence penalties, no-repeat-ngram, bad words, min length /
+min new tokens, forced BOS/EOS, suppress tokens, sequence bias, exponential decay length penalty, the watermarks
+and `prefix_allowed_tokens_fn` when that function is pure). Classifier-free guidance keeps state and is refused.
+A custom processor that keeps state across calls (counts calls, caches the last prefix, draws random numbers)
+would change the output silently: SSD warns once per such class (RuntimeWarning) unless `ssd_trust_processors=True`
+says they are all pure.
 """
 from __future__ import annotations
 
 import copy
+import warnings
 from collections import defaultdict
 
 import torch
@@ -14,6 +26,7 @@ from transformers.generation.logits_process import (
     ClassifierFreeGuidanceLogitsProcessor,
     EpsilonLogitsWarper,
     EtaLogitsWarper,
+    LogitsProcessor,
     LogitsProcessorList,
     MinPLogitsWarper,
     PrefixConstrainedLogitsProcessor,
@@ -40,13 +53,32 @@ INPUT_INDEPENDENT = (
 STATEFUL = (ClassifierFreeGuidanceLogitsProcessor, UnbatchedClassifierFreeGuidanceLogitsProcessor)
 
 
-def check_processors(processors: LogitsProcessorList) -> None:
+BUILTIN_MODULE = "transformers.generation.logits_process"
+_WARNED: set = set()  # custom processor classes (or plain callables) already warned about in this process
+
+
+def check_processors(processors: LogitsProcessorList, trust: bool = False) -> None:
     for proc in processors:
         if isinstance(proc, STATEFUL):
             raise ValueError(
                 f"{type(proc).__name__} (guidance_scale / classifier-free guidance) keeps state across steps and "
                 "cannot be verified speculatively; drop guidance_scale or generate without ssd=True."
             )
+        if trust or type(proc).__module__ == BUILTIN_MODULE:
+            continue
+        key = type(proc) if isinstance(proc, LogitsProcessor) or not hasattr(proc, "__qualname__") else proc
+        if key in _WARNED:
+            continue
+        _WARNED.add(key)
+        name = getattr(key, "__qualname__", type(proc).__qualname__)
+        warnings.warn(
+            f"hf_ssd: the custom logits processor {name} is called once per position of every speculative block "
+            "(also on prefixes ending in drafts that get rejected), so ssd=True reproduces plain generate() only "
+            "if it is a pure function of (input_ids, scores) without state kept across calls. If it is, pass "
+            "ssd_trust_processors=True to silence this warning; if not, generate without ssd=True.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def with_temperature(processors: LogitsProcessorList, temperature: float | None) -> LogitsProcessorList:

@@ -12,9 +12,22 @@ Starting a process costs seconds (imports, moving the weights to shared memory).
             target.generate(prompt, assistant_model=draft, ssd=True, ssd_worker=worker)
 
 Without such a handle, every generate() starts its own process and ends it before returning.
+
+The child is started with multiprocessing's "spawn": it imports your main module again. A script that creates a
+DraftProcess (or uses ssd_worker="process") at module level must guard that code with `if __name__ == "__main__":`,
+or the child runs the script again and fails to start.
+
+Robustness: every request carries a sequence number and the child echoes it, so a reply left behind by an
+interrupted call (Ctrl-C while waiting) is drained, never taken for the answer to a later request; a request
+interrupted while it was being written leaves the pipe unusable, and the process is restarted at the next
+generation. The child ignores SIGINT (a Ctrl-C reaches the whole process group): the parent decides. One
+generation at a time uses a DraftProcess: a second thread waits for the first one's generation to end.
 """
 from __future__ import annotations
 
+import signal
+import threading
+import time
 import traceback
 
 import torch
@@ -33,20 +46,22 @@ SHARED_STATS = ("cache_lookups", "cache_hits", "backup_rounds", "fanout_after_hi
 
 
 def _serve(conn, model, quantize) -> None:
+    """The child's loop. Requests are (seq, cmd, *args); answers are (seq, status, payload), seq echoed."""
     from hf_ssd.draft.saguaro import SaguaroDrafter
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the parent's to handle
     torch.set_grad_enabled(False)
     model = quantized_draft(model, quantize)
-    conn.send(("ok", "ready"))
+    conn.send((0, "ok", "ready"))
     drafter = draft = stats = None
     failed: str | None = None
     while True:
         try:
-            cmd, *args = conn.recv()
+            seq, cmd, *args = conn.recv()
         except EOFError:
             return
         if cmd == "close":
-            conn.send(("ok", None))
+            conn.send((seq, "ok", None))
             return
         try:
             if cmd == "setup":  # a new generation: fresh caches, options and RNG state
@@ -57,90 +72,210 @@ def _serve(conn, model, quantize) -> None:
                 if rng_state is not None:  # continue the parent's draft RNG stream: same samples as inline
                     generator = torch.Generator()
                     generator.set_state(rng_state)
+                drafter = draft = stats = None
+                failed = None
                 draft = DraftModel(model, 0, vocab, warpers, greedy, downweight, generator)
                 stats = SSDStats()
                 stats.started = started
                 drafter = SaguaroDrafter(draft, SSDConfig.from_dict(config_dict), stats, budget, greedy)
-                failed = None
-                conn.send(("ok", None))
+                conn.send((seq, "ok", None))
                 continue
             if cmd == "release":
                 drafter = draft = stats = None
-                conn.send(("ok", None))
+                failed = None
+                conn.send((seq, "ok", None))
                 continue
             if failed is not None:
                 raise RuntimeError(failed)
+            if drafter is None:
+                raise RuntimeError(f"`{cmd}` arrived outside a generation (no `setup` before it)")
             if cmd == "start":
-                conn.send(("ok", drafter.start(*args)))
+                conn.send((seq, "ok", drafter.start(*args)))
             elif cmd == "begin":
                 drafter.begin(*args)
             elif cmd == "resolve":
                 result = drafter.resolve(*args)
                 info = {name: getattr(stats, name) for name in SHARED_STATS}
-                conn.send(("ok", (result, info, drafter.forwards)))
+                conn.send((seq, "ok", (result, info, drafter.forwards)))
+            else:
+                raise RuntimeError(f"unknown command {cmd!r}")
         except Exception:
             failed = traceback.format_exc(limit=3)
             if cmd != "begin":  # begin is not answered; its failure is reported by the next call
-                conn.send(("error", failed))
+                conn.send((seq, "error", failed))
+
+
+START_HINT = (
+    "The child is started with multiprocessing's 'spawn' and imports your main module again: if your script "
+    "creates a DraftProcess or calls generate(..., ssd_worker=\"process\") at module level, put that code under "
+    "`if __name__ == \"__main__\":`."
+)
 
 
 class DraftProcess:
-    """A process that owns a draft model; reusable across generate() calls (see the module docstring)."""
+    """A process that owns a draft model; reusable across generate() calls (see the module docstring).
+
+    Create it under `if __name__ == "__main__":` in a script: the spawned child imports the main module again.
+    A generation interrupted by Ctrl-C leaves it usable: stale replies are drained by sequence number, and a pipe
+    left mid-message is replaced by a fresh process at the next generation. Several threads may share one: each
+    generation holds it from start to end, so a second thread's generate() waits for the first one's to finish.
+    """
 
     def __init__(self, draft_model, quantize: str | None = None, timeout_s: float = 600.0):
         self.timeout_s = timeout_s
         self.model = draft_model
-        source, mode = unquantized(quantized_draft(draft_model, quantize))
+        self._source = unquantized(quantized_draft(draft_model, quantize))
+        self._seq = 0
+        self._broken: str | None = None  # why the pipe cannot be trusted any more (a restart fixes it)
+        self.closed = False
+        self.restarts = 0
+        self._lock = threading.Lock()  # held by one generation from setup to release
+        self._owner: int | None = None
+        self.conn = self.process = None
+        self._spawn()
+
+    # ---- the child ------------------------------------------------------------------------------------------------
+    def _spawn(self) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, source, mode), name="hf-ssd-draft-process",
+        self.process = ctx.Process(target=_serve, args=(child, *self._source), name="hf-ssd-draft-process",
                                    daemon=True)
         self.process.start()
         child.close()
-        self._answer("start-up")  # pay the start-up here, not inside the first generation
+        self._seq = 0
+        self._broken = None
+        try:
+            self._answer("start-up", 0)  # pay the start-up here, not inside the first generation
+        except BaseException as exc:
+            self._stop_child()
+            if isinstance(exc, Exception):
+                raise RuntimeError(f"the draft process failed to start ({exc}). {START_HINT}") from exc
+            raise
+
+    def restart(self) -> None:
+        """End the child (whatever state it is in) and start a fresh one on the same draft model."""
+        self._check_open()
+        self._stop_child()
+        self.restarts += 1
+        self._spawn()
+
+    def _stop_child(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=5)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(timeout=5)
+        if self.conn is not None:
+            self.conn.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("the DraftProcess was closed; create a new one (hf_ssd.DraftProcess(draft)) or drop "
+                               "ssd_worker=... to let each generate() start its own")
 
     def alive(self) -> None:
+        self._check_open()
+        if self._broken is not None:
+            raise RuntimeError(f"the draft process pipe is out of step ({self._broken}); it is restarted at the "
+                               "next generation")
         if not self.process.is_alive():
             raise RuntimeError(f"the draft process died (exit code {self.process.exitcode})")
 
-    def send(self, *msg) -> None:
-        self.alive()
-        self.conn.send(msg)
-
-    def call(self, *msg):
-        self.send(*msg)
-        return self._answer(msg[0])
-
-    def _answer(self, what: str):
-        if not self.conn.poll(self.timeout_s):
-            raise TimeoutError(f"the draft process did not answer `{what}` within {self.timeout_s:.0f} s")
+    # ---- generations ----------------------------------------------------------------------------------------------
+    def acquire(self) -> None:
+        """Hold the process for one generation (waits while another thread's generation holds it)."""
+        self._check_open()
+        me = threading.get_ident()
+        if self._owner == me:
+            raise RuntimeError("this DraftProcess is already serving a generation in this thread (generate() called "
+                               "from inside a generation, e.g. from a stopping criterion or streamer); use another "
+                               "DraftProcess or ssd_worker=\"thread\" for the inner call")
+        self._lock.acquire()
+        self._owner = me
         try:
-            status, payload = self.conn.recv()
-        except EOFError:
-            raise RuntimeError(f"the draft process died (exit code {self.process.exitcode})") from None
-        if status == "error":
-            raise RuntimeError(f"the draft process failed:\n{payload}")
-        return payload
+            self._check_open()
+            if self._broken is not None:  # an earlier generation was interrupted mid-message
+                self.restart()
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        if self._owner == threading.get_ident():
+            self._owner = None
+            self._lock.release()
+
+    # ---- requests ---------------------------------------------------------------------------------------------------
+    def send(self, cmd: str, *args) -> int:
+        """Send a request; returns its sequence number."""
+        self.alive()
+        self._seq += 1
+        try:
+            self.conn.send((self._seq, cmd, *args))
+        except BaseException as exc:  # interrupted mid-write: the child may hold half a message
+            if not isinstance(exc, OSError):  # a broken pipe is a dead child, reported as such by the next call
+                self._broken = f"`{cmd}` was interrupted while being sent ({type(exc).__name__})"
+            raise
+        return self._seq
+
+    def call(self, cmd: str, *args):
+        return self._answer(cmd, self.send(cmd, *args))
+
+    def _answer(self, what: str, seq: int):
+        """The answer to request `seq`; answers to earlier requests (left by an interrupted call) are dropped."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            # Waiting is safe to interrupt: the answer stays in the pipe and a later call drains it.
+            if not self.conn.poll(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"the draft process did not answer `{what}` within {self.timeout_s:.0f} s")
+            try:
+                got, status, payload = self.conn.recv()
+            except EOFError:
+                self.process.join(timeout=5)
+                if what == "start-up":
+                    raise RuntimeError(f"the draft process died while starting (exit code {self.process.exitcode})"
+                                       ) from None
+                raise RuntimeError(f"the draft process died (exit code {self.process.exitcode})") from None
+            except BaseException as exc:  # interrupted mid-read: the rest of the message is still in the pipe
+                if not isinstance(exc, OSError):
+                    self._broken = f"reading the answer to `{what}` was interrupted ({type(exc).__name__})"
+                raise
+            if got != seq:
+                continue  # a stale answer to an interrupted request
+            if status == "error":
+                raise RuntimeError(f"the draft process failed:\n{payload}")
+            return payload
 
     def close(self) -> None:
-        if self.process.is_alive():
+        if self.closed:
+            return
+        self.closed = True
+        if self.process.is_alive() and self._broken is None:
             try:
-                self.conn.send(("close",))
-                if self.conn.poll(10):
-                    self.conn.recv()
+                self._seq += 1
+                self.conn.send((self._seq, "close"))
+                deadline = time.monotonic() + 10
+                while self.conn.poll(max(0.0, deadline - time.monotonic())):
+                    if self.conn.recv()[0] == self._seq:
+                        break
             except (OSError, EOFError):
                 pass
             self.process.join(timeout=10)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(timeout=5)
-        self.conn.close()
+        self._stop_child()
 
     def __enter__(self) -> DraftProcess:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def __del__(self) -> None:
+        try:
+            if not self.closed and self.process is not None and self.process.is_alive():
+                self._stop_child()
+        except Exception:
+            pass
 
 
 class ProcessDrafter(Drafter):
@@ -152,16 +287,23 @@ class ProcessDrafter(Drafter):
         self.remote_forwards = 0
         self.owned = process is None
         self.worker = DraftProcess(draft.kv.model) if process is None else process
-        rng_state = None if draft.generator is None else draft.generator.get_state()
-        self.worker.call("setup", draft.vocab_size, draft.warpers, greedy, draft.downweight, rng_state,
-                         config.to_dict(), budget, stats.started, config.draft_threads)
+        self.worker.acquire()  # one generation at a time; restarts a process an interrupted call left out of step
+        try:
+            rng_state = None if draft.generator is None else draft.generator.get_state()
+            self.worker.call("setup", draft.vocab_size, draft.warpers, greedy, draft.downweight, rng_state,
+                             config.to_dict(), budget, stats.started, config.draft_threads)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def forwards(self) -> int:
         return self.remote_forwards
 
     def start(self, prompt: torch.Tensor, mask: torch.Tensor) -> Speculation:
-        return self.worker.call("start", prompt.cpu(), mask.cpu())
+        # Copies: sending a CPU tensor moves its storage to shared memory in place (one open file per tensor in
+        # the file_descriptor strategy), and the caller's input_ids must not be turned into that.
+        return self.worker.call("start", prompt.cpu().clone(), mask.cpu().clone())
 
     def begin(self, spec: Speculation) -> None:
         self.worker.send("begin", spec)
@@ -173,11 +315,14 @@ class ProcessDrafter(Drafter):
         return result
 
     def close(self) -> None:
-        if self.owned:
-            self.worker.close()
-            return
-        try:  # a kept worker stays up for the next generation, without this one's caches
-            if self.worker.process.is_alive():
-                self.worker.call("release")
-        except Exception:
-            pass
+        try:
+            if self.owned:
+                self.worker.close()
+                return
+            try:  # a kept worker stays up for the next generation, without this one's caches
+                if self.worker.process.is_alive() and self.worker._broken is None and not self.worker.closed:
+                    self.worker.call("release")
+            except Exception:
+                pass
+        finally:
+            self.worker.release()
