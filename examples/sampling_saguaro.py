@@ -13,7 +13,9 @@ inputs = encode(tok, "Write a haiku about speculative decoding.")
 
 for c in (1.0, 0.5, 0.2):  # C = 1 is plain sampling of the draft
     g = torch.Generator().manual_seed(0)
-    out = target.generate(**inputs, assistant_model=draft, ssd=True, ssd_downweight=c, generator=g, do_sample=True,
+    # ssd_mode="ssd": compare C on Saguaro itself (left unset, the controller may pick plain decoding or sync SD)
+    out = target.generate(**inputs, assistant_model=draft, ssd=True, ssd_mode="ssd", ssd_downweight=c, generator=g,
+                          do_sample=True,
                           temperature=args.temperature, top_p=0.95, max_new_tokens=n, return_dict_in_generate=True)
     s = out.ssd_stats
     print(f"C={c}: accepted/round={s['mean_accepted']:.2f} hit_rate={s['hit_rate']:.2f}  "

@@ -47,6 +47,8 @@ def exactness(device: str) -> dict:
     out = {}
     for worker in ("inline", "thread"):
         for mode in ("sync", "ssd"):
+            if mode == "sync" and worker != "inline":
+                continue  # synchronous SD drafts inline (ssd_worker applies to ssd_mode="ssd")
             got = target.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, assistant_model=draft,
                                   ssd=True, ssd_mode=mode, ssd_worker=worker, ssd_budget=8)
             out[f"greedy_{mode}_{worker}"] = bool(torch.equal(got, ref))

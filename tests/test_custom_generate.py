@@ -10,7 +10,7 @@ from transformers import GenerationMixin
 import hf_ssd
 from hf_ssd import SSDConfig
 from hf_ssd.hf.custom_generate_repo import write_custom_generate_repo
-from hf_ssd.tools.evaluation.tiny import tiny_pair
+from hf_ssd.testing import tiny_pair
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_layout(repo):
 def test_greedy_identical_to_ssd_true(repo, models, batch):
     target, draft, tok = models
     enc = tok(["def add(a, b):", "x = "][:batch], return_tensors="pt", padding=True)
-    kw = dict(max_new_tokens=16, do_sample=False, return_dict_in_generate=True)
+    kw = dict(max_new_tokens=16, do_sample=False, return_dict_in_generate=True, ssd_mode="ssd")
     ref = target.generate(**enc, assistant_model=draft, ssd=True, **kw)
     hf_ssd.disable()  # a user who never enabled hf_ssd
     try:

@@ -8,7 +8,8 @@ from transformers import GenerationMixin, TextIteratorStreamer
 from transformers.generation.streamers import BaseStreamer
 
 import hf_ssd
-from conftest import PAD, get_pair, left_pad, plain_generate, prompt, ssd_generate
+from hf_ssd.testing import (PAD, char_tokenizer, get_pair, left_pad, plain_generate, prompt, ssd_generate,
+                            word_tokenizer)
 
 MODES = ["sync", "ssd"]
 
@@ -24,19 +25,6 @@ class Recorder(BaseStreamer):
 
     def end(self):
         self.ended += 1
-
-
-def tiny_tokenizer():
-    from tokenizers import Tokenizer, decoders
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
-    vocab = {f"w{i}": i for i in range(96)}
-    tok = Tokenizer(WordLevel(vocab, unk_token="w2"))
-    tok.pre_tokenizer = Whitespace()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w0", eos_token="w95",
-                                                bos_token="w1", unk_token="w2")
 
 
 # ---- streamers ---------------------------------------------------------------------------------------------------
@@ -61,7 +49,7 @@ def test_streamer_receives_prompt_then_chunks(mode):
 
 def test_text_iterator_streamer_matches_plain():
     p = get_pair("qwen2")
-    tok = tiny_tokenizer()
+    tok = word_tokenizer()
     ids = prompt(5, seed=4)
     texts = []
     for use_ssd in (False, True):
@@ -72,16 +60,6 @@ def test_text_iterator_streamer_matches_plain():
         texts.append("".join(streamer))
         assert texts[-1].strip() == tok.decode(out[0, 5:]).strip()
     assert texts[0] == texts[1]
-
-
-def char_tokenizer():
-    """One character per token (ids 0..95 = chr(32)..chr(127)): can encode any ASCII text, as stop strings need."""
-    from tokenizers import Tokenizer, decoders
-    from tokenizers.models import BPE
-
-    tok = Tokenizer(BPE(vocab={chr(32 + i): i for i in range(96)}, merges=[]))
-    tok.decoder = decoders.Fuse()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
 def test_stop_strings_with_tokenizer():
@@ -156,7 +134,8 @@ def test_default_budget_is_measured():
     p = get_pair("llama")
     ids = prompt(6, seed=16)
     with torch.no_grad():
-        out = p.target.generate(ids, assistant_model=p.related, ssd=True, ssd_num_draft_tokens=3, max_new_tokens=8,
+        out = p.target.generate(ids, assistant_model=p.related, ssd=True, ssd_mode="ssd", ssd_num_draft_tokens=3,
+                                max_new_tokens=8,
                                 pad_token_id=PAD, return_dict_in_generate=True)
     assert torch.equal(out.sequences, plain_generate(p.target, ids, max_new_tokens=8))
     assert out.ssd_stats["budget"] >= 4  # at least K+1: one guess per k
@@ -185,12 +164,12 @@ def test_seeded_reproducibility(mode):
 # ---- pipeline ----------------------------------------------------------------------------------------------------------
 def test_pipeline_text_generation():
     p = get_pair("llama")
-    tok = tiny_tokenizer()
+    tok = word_tokenizer()
     pipe = transformers.pipeline("text-generation", model=p.target, tokenizer=tok, device="cpu")
     text = "w5 w17 w33 w8 w41"
     kw = dict(max_new_tokens=10, do_sample=False, return_full_text=False)
     plain = pipe(text, **kw)
-    fast = pipe(text, assistant_model=p.related, ssd=True, ssd_num_draft_tokens=3, ssd_budget=4, **kw)
+    fast = pipe(text, assistant_model=p.related, ssd=True, ssd_mode="ssd", ssd_num_draft_tokens=3, ssd_budget=4, **kw)
     assert plain[0]["generated_text"] == fast[0]["generated_text"]
     assert len(plain[0]["generated_text"].split()) >= 5
     assert hf_ssd.last_stats() is not None and hf_ssd.last_stats()["drafted"] > 0

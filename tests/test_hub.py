@@ -12,7 +12,7 @@ import hf_ssd  # noqa: F401
 from hf_ssd import SSDConfig
 from hf_ssd.hf import hub
 from hf_ssd.config import CONFIG_NAME, CONFIG_VERSION
-from hf_ssd.tools.evaluation.tiny import tiny_pair
+from hf_ssd.testing import tiny_pair
 
 
 def test_round_trip_dir_and_file(tmp_path):
@@ -108,7 +108,7 @@ def test_generate_picks_config_from_saved_model(tmp_path, holder):
     ids = torch.tensor([[5, 6, 7, 8]])
     out = target.generate(ids, assistant_model=draft, ssd=True, max_new_tokens=8, do_sample=False,
                           return_dict_in_generate=True)
-    assert out.ssd_stats["mode"] == "sync"  # the default would be "ssd"
-    out = target.generate(ids, assistant_model=draft, ssd=True, ssd_config=SSDConfig(), max_new_tokens=8,
+    assert out.ssd_stats["mode"] == "sync"  # the config from the model dir, not the controller's choice
+    out = target.generate(ids, assistant_model=draft, ssd=True, ssd_config=SSDConfig(mode="ssd"), max_new_tokens=8,
                           do_sample=False, return_dict_in_generate=True)
     assert out.ssd_stats["mode"] == "ssd"  # an explicit config wins

@@ -8,7 +8,7 @@ import torch
 import transformers
 from transformers import TextIteratorStreamer
 
-from conftest import PAD, get_pair, left_pad, prompt
+from hf_ssd.testing import PAD, get_pair, left_pad, prompt, word_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_misspelt_ssd_kwarg(llm):
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (dict(ssd_mode="fast"), r"ssd_mode='fast' is invalid: choose one of \('ssd', 'sync'\)"),
+        (dict(ssd_mode="fast"), r"ssd_mode='fast' is invalid: choose one of \('auto', 'ssd', 'sync'\)"),
         (dict(ssd_num_draft_tokens=0), "ssd_num_draft_tokens=0 is invalid"),
         (dict(ssd_num_draft_tokens=2.5), "ssd_num_draft_tokens=2.5 is invalid"),
         (dict(ssd_budget=0), "ssd_budget=0 is invalid"),
@@ -156,7 +156,7 @@ def hf_ssd_config():
 
 
 def test_streamer_with_batch(llm):
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=_tiny_tokenizer())
+    tok = word_tokenizer()
     ids, mask = left_pad([prompt(4, seed=1)[0], prompt(6, seed=2)[0]])
     with pytest.raises(ValueError, match="streamers take one sequence"):
         gen(llm, ids=ids, attention_mask=mask, streamer=TextIteratorStreamer(tok))
@@ -173,8 +173,7 @@ def test_stop_strings_need_tokenizer(llm):
 
 
 def test_tokenizer_vocab_mismatch(llm):
-    a = transformers.PreTrainedTokenizerFast(tokenizer_object=_tiny_tokenizer())
-    b = transformers.PreTrainedTokenizerFast(tokenizer_object=_tiny_tokenizer(shift=1))
+    a, b = word_tokenizer(), word_tokenizer(shift=1)
     with pytest.raises(ValueError, match="tokenizers have different vocabularies"):
         gen(llm, tokenizer=a, assistant_tokenizer=b)
 
@@ -184,14 +183,3 @@ def test_valid_config_still_runs(llm):
     out = gen(llm, ssd_mode="sync", ssd_num_draft_tokens=2)
     assert out.shape == (1, 9)
 
-
-def _tiny_tokenizer(shift: int = 0):
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
-    vocab = {f"w{i + shift}": i for i in range(96)}
-    vocab["[UNK]"] = 96
-    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = Whitespace()
-    return tok

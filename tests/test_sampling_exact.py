@@ -17,7 +17,6 @@ import itertools
 import numpy as np
 import pytest
 import torch
-import transformers
 from scipy import stats
 from transformers import (
     LogitsProcessorList,
@@ -29,9 +28,9 @@ from transformers import (
 
 import hf_ssd.draft.model as draft_mod
 import hf_ssd.runtime.engine as engine_mod
-from conftest import noisy_copy
 from hf_ssd.core.sampling import sample, saguaro_probs
 from hf_ssd.core.verify import verify_sampled
+from hf_ssd.testing import noisy_copy, tiny_llama
 
 V = 4
 L = 3
@@ -44,13 +43,8 @@ PROMPT_B = torch.tensor([[3, 0, 2, 2]])
 
 @pytest.fixture(scope="module")
 def models():
-    cfg = transformers.LlamaConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.08, bos_token_id=None,
-        eos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
-    )
-    torch.manual_seed(3)
-    target = transformers.LlamaForCausalLM(cfg).eval()
+    target = tiny_llama(3, vocab_size=V, num_hidden_layers=1, max_position_embeddings=64, initializer_range=0.08,
+                        bos_token_id=None, eos_token_id=None)
     target.generation_config.eos_token_id = None
     target.generation_config.pad_token_id = 0
     draft = noisy_copy(target, 0.6, seed=7)
@@ -139,6 +133,7 @@ def run_ssd(target, draft, prompts: list[torch.Tensor], seed: int, warp: dict, *
 
 
 def check(models, prompts, seed, warp, **ssd):
+    ssd = {"ssd_mode": "ssd", "ssd_draft_quantize": None, **ssd}  # the engine under test, not the controller's pick
     target, draft = models
     procs = warpers(**warp)
     counts, s = run_ssd(target, draft, prompts, seed, warp, **ssd)

@@ -8,23 +8,21 @@ import warnings
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_ssd  # noqa: F401
-from conftest import shallow_copy
 from hf_ssd.workers.process import ProcessDrafter
 from hf_ssd.draft.saguaro import SaguaroDrafter
+from hf_ssd.testing import shallow_copy, tiny_llama
 from hf_ssd.workers.thread import live_worker_threads
 
 WORKERS = ["inline", "thread", "process"]
+# The SSD engine on each worker (not the controller's choice of mode): K=4, full-precision draft.
+SSD = dict(ssd=True, ssd_mode="ssd", ssd_num_draft_tokens=4, ssd_draft_quantize=None)
 
 
 @pytest.fixture(scope="module")
 def pair():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.4)
-    target = LlamaForCausalLM(cfg).eval()
+    target = tiny_llama(0, hidden_size=48, intermediate_size=96, initializer_range=0.4, eos_token_id=2, pad_token_id=None)
     draft = shallow_copy(target)
     prompts = torch.randint(0, 96, (3, 9), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(prompts)
@@ -45,7 +43,7 @@ def test_greedy_identical_every_worker(pair, worker, batch):
     ids, m = prompts[:batch], mask[:batch]
     ref = target.generate(ids, attention_mask=m, max_new_tokens=24, do_sample=False)
     out = target.generate(ids, attention_mask=m, max_new_tokens=24, do_sample=False, assistant_model=draft,
-                          ssd=True, ssd_worker=worker, ssd_budget=6, return_dict_in_generate=True)
+                          **SSD, ssd_worker=worker, ssd_budget=6, return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
     assert out.ssd_stats["worker"] == worker
     assert out.ssd_stats["cache_lookups"] > 0
@@ -57,7 +55,7 @@ def test_sampling_matches_inline_with_same_seed(pair, worker):
     """Concurrent workers draw from the draft's own RNG stream, so a seeded run equals the inline run exactly."""
     target, draft, prompts, mask = pair
     kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=True, temperature=0.9, assistant_model=draft,
-              ssd=True, ssd_budget=6, ssd_downweight=0.5)
+              **SSD, ssd_budget=6, ssd_downweight=0.5)
     inline = target.generate(prompts, generator=torch.Generator().manual_seed(5), ssd_worker="inline", **kw)
     other = target.generate(prompts, generator=torch.Generator().manual_seed(5), ssd_worker=worker, **kw)
     assert torch.equal(inline, other)
@@ -91,7 +89,7 @@ def test_draft_fault_loses_nothing(pair, monkeypatch, worker, method, at_round):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = target.generate(prompts, attention_mask=mask, max_new_tokens=20, do_sample=False, assistant_model=draft,
-                              ssd=True, ssd_worker=worker, ssd_budget=6, return_dict_in_generate=True)
+                              **SSD, ssd_worker=worker, ssd_budget=6, return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
     injected = calls["n"] >= at_round
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
@@ -105,14 +103,14 @@ def test_fault_in_last_round(pair, monkeypatch):
     target, draft, prompts, mask = pair
     ref = target.generate(prompts[:1], attention_mask=mask[:1], max_new_tokens=20, do_sample=False)
     probe = target.generate(prompts[:1], attention_mask=mask[:1], max_new_tokens=20, do_sample=False,
-                            assistant_model=draft, ssd=True, ssd_worker="thread", ssd_budget=6,
+                            assistant_model=draft, **SSD, ssd_worker="thread", ssd_budget=6,
                             return_dict_in_generate=True)
     last = probe.ssd_stats["rounds"]
     calls = _fail_at(monkeypatch, "begin", last)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = target.generate(prompts[:1], attention_mask=mask[:1], max_new_tokens=20, do_sample=False,
-                              assistant_model=draft, ssd=True, ssd_worker="thread", ssd_budget=6)
+                              assistant_model=draft, **SSD, ssd_worker="thread", ssd_budget=6)
     assert torch.equal(out, ref)
     # The last build may be cancelled before it starts (nobody needs it); if it ran and failed, we were told.
     warned = any("injected failure" in str(w.message) for w in caught)
@@ -146,7 +144,7 @@ def test_killed_process_worker_loses_nothing(pair, monkeypatch, at_round):
     _at_process_begin(monkeypatch, at_round, kill)
     with pytest.warns(RuntimeWarning, match="draft process died"):
         out = target.generate(prompts, attention_mask=mask, max_new_tokens=16, do_sample=False, assistant_model=draft,
-                              ssd=True, ssd_worker="process", ssd_budget=6)
+                              **SSD, ssd_worker="process", ssd_budget=6)
     assert torch.equal(out, ref)
     no_leaks()
 
@@ -156,13 +154,13 @@ def test_process_worker_error_reported(pair, monkeypatch):
     target, draft, prompts, mask = pair
     ref = target.generate(prompts, attention_mask=mask, max_new_tokens=16, do_sample=False)
     def poison(drafter, spec):
-        drafter.worker.conn.send(("begin", "not a speculation"))
+        drafter.worker.send("begin", "not a speculation")
         return True  # replaces the real begin
 
     _at_process_begin(monkeypatch, 2, poison)
     with pytest.warns(RuntimeWarning, match="draft process failed"):
         out = target.generate(prompts, attention_mask=mask, max_new_tokens=16, do_sample=False, assistant_model=draft,
-                              ssd=True, ssd_worker="process", ssd_budget=6)
+                              **SSD, ssd_worker="process", ssd_budget=6)
     assert torch.equal(out, ref)
     no_leaks()
 
@@ -179,7 +177,7 @@ def test_draft_model_broken_falls_back_to_plain(pair, monkeypatch):
     monkeypatch.setattr(draft_module.DraftModel, "jit", broken)
     with pytest.warns(RuntimeWarning, match="draft model unusable"):
         out = target.generate(prompts, attention_mask=mask, max_new_tokens=12, do_sample=False, assistant_model=draft,
-                              ssd=True, ssd_worker="inline", return_dict_in_generate=True)
+                              **SSD, ssd_worker="inline", return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
     assert out.ssd_stats["fallback_reason"] is not None
 
@@ -192,7 +190,7 @@ def test_persistent_process_worker_reused(pair):
         for batch in (1, 3):
             ref = target.generate(prompts[:batch], attention_mask=mask[:batch], max_new_tokens=16, do_sample=False)
             out = target.generate(prompts[:batch], attention_mask=mask[:batch], max_new_tokens=16, do_sample=False,
-                                  assistant_model=draft, ssd=True, ssd_worker=worker, ssd_budget=6,
+                                  assistant_model=draft, **SSD, ssd_worker=worker, ssd_budget=6,
                                   return_dict_in_generate=True)
             assert torch.equal(out.sequences, ref)
             assert out.ssd_stats["worker"] == "process" and out.ssd_stats["cache_lookups"] > 0
@@ -209,7 +207,7 @@ def test_persistent_process_worker_dead_falls_back(pair):
     ref = target.generate(prompts, attention_mask=mask, max_new_tokens=12, do_sample=False)
     with pytest.warns(RuntimeWarning, match="died"):
         out = target.generate(prompts, attention_mask=mask, max_new_tokens=12, do_sample=False, assistant_model=draft,
-                              ssd=True, ssd_worker=worker)
+                              **SSD, ssd_worker=worker)
     assert torch.equal(out, ref)
     worker.close()
     no_leaks()
@@ -217,10 +215,10 @@ def test_persistent_process_worker_dead_falls_back(pair):
 
 def test_persistent_worker_for_other_draft_is_refused(pair):
     target, draft, prompts, mask = pair
-    other = LlamaForCausalLM(draft.config).eval()
+    other = type(draft)(draft.config).eval()
     with hf_ssd.DraftProcess(other) as worker:
         with pytest.raises(ValueError, match="different draft model"):
-            target.generate(prompts, attention_mask=mask, max_new_tokens=4, assistant_model=draft, ssd=True,
+            target.generate(prompts, attention_mask=mask, max_new_tokens=4, assistant_model=draft, **SSD,
                             ssd_worker=worker)
 
 
@@ -243,11 +241,11 @@ def test_keyboard_interrupt_stops_cleanly(pair, worker):
     target, draft, prompts, mask = pair
     with pytest.raises(KeyboardInterrupt):
         target.generate(prompts, attention_mask=mask, max_new_tokens=40, do_sample=False, assistant_model=draft,
-                        ssd=True, ssd_worker=worker, ssd_budget=6,
+                        **SSD, ssd_worker=worker, ssd_budget=6,
                         stopping_criteria=StoppingCriteriaList([InterruptAt(prompts.shape[1] + 10)]))
     no_leaks()
     # and the next call works normally
     ref = target.generate(prompts, attention_mask=mask, max_new_tokens=8, do_sample=False)
     out = target.generate(prompts, attention_mask=mask, max_new_tokens=8, do_sample=False, assistant_model=draft,
-                          ssd=True, ssd_worker=worker, ssd_budget=6)
+                          **SSD, ssd_worker=worker, ssd_budget=6)
     assert torch.equal(out, ref)

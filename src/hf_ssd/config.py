@@ -10,20 +10,36 @@ from typing import Any
 CONFIG_NAME = "ssd_config.json"
 CONFIG_VERSION = 1
 
-MODES = ("ssd", "sync")
+MODES = ("auto", "ssd", "sync")
+QUANTIZE = ("auto", "int8", None)
 BACKUPS = ("auto", "jit", "ngram")
 WORKERS = ("auto", "inline", "thread", "process")
+class OptionTypeError(TypeError, ValueError):
+    """An option of the wrong type: a TypeError, and also a ValueError (as every other invalid option is)."""
+
+
+MAX_BUDGET = 4096  # branches per row; more only slows the tree build (and the cap below V and K applies anyway)
+
+# The type each option must have (None is allowed where the default is None); checked before any value.
+INT_OPTIONS = ("num_draft_tokens", "budget", "backup_batch_threshold", "ngram_max", "draft_threads", "target_threads")
+FLOAT_OPTIONS = ("alpha", "power_r", "downweight", "draft_temperature")
+STR_OPTIONS = ("mode", "backup", "worker", "draft_device", "draft_quantize")
+BOOL_OPTIONS = ("trust_processors",)
+LIST_OPTIONS = ("fanout", "fanout_after_miss")
 
 
 @dataclass
 class SSDConfig:
     """Options of `generate(..., ssd=True)`; each is also accepted as an `ssd_<name>` keyword argument.
 
-    `mode="sync"` is plain (synchronous) speculative decoding, the exact fallback; `mode="ssd"` is Saguaro.
+    `mode="ssd"` is Saguaro; `mode="sync"` is plain (synchronous) speculative decoding, the exact fallback;
+    `mode="auto"` lets the online controller (hf_ssd.control) pick the fastest exact way for this pair, hardware and
+    batch: SSD, synchronous SD or plain target steps. Every option left unset (None / "auto") is the controller's
+    to choose; an option that is set is obeyed.
     """
 
-    mode: str = "ssd"
-    num_draft_tokens: int = 4  # K: drafts verified per round
+    mode: str = "auto"
+    num_draft_tokens: int | None = None  # K: drafts verified per round (None = chosen by the controller)
     budget: int | None = None  # branches per row in the speculation cache; None = measured at start-up
     fanout: list[int] | None = None  # explicit F_0..F_K after a hit (overrides the geometric schedule)
     fanout_after_miss: list[int] | None = None  # explicit F_0..F_K after a miss
@@ -35,10 +51,12 @@ class SSDConfig:
     ngram_max: int = 3  # longest n-gram the prompt-lookup backup matches
     draft_temperature: float | None = None  # draft-only temperature (exact: the verifier uses the same q)
     worker: str = "auto"  # where the draft runs: inline, thread, process
-    draft_device: str | None = None  # device for the draft (default: where the draft model already is)
-    draft_quantize: str | None = None  # "int8": dynamic int8 copy of the draft on CPU (exact: q is the copy's)
+    draft_device: str | None = None  # device for the draft (None: where it is; "auto": hardware the target leaves free)
+    draft_quantize: str | None = "auto"  # "int8": dynamic int8 draft copy on CPU (exact: q is the copy's); "auto": if faster
     draft_threads: int | None = None  # torch intra-op threads for the draft side (CPU)
     target_threads: int | None = None  # torch intra-op threads for the target side (CPU)
+    trust_processors: bool = False  # True: custom logits processors are pure functions of (input_ids, scores); no warning
+    compile: bool | str = False  # static-shape draft cache, glue + tree under torch.compile; "auto": CUDA, or CPU if faster
     version: int = CONFIG_VERSION
 
     def __post_init__(self) -> None:
@@ -49,16 +67,23 @@ class SSDConfig:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"ssd_{name}={getattr(self, name)!r} is invalid: {why}")
 
+        self._check_types()
         if self.mode not in MODES:
             raise bad("mode", f"choose one of {MODES}")
-        if not isinstance(self.num_draft_tokens, int) or not 1 <= self.num_draft_tokens <= 64:
-            raise bad("num_draft_tokens", "use an integer between 1 and 64")
+        if self.num_draft_tokens is not None and (
+                not isinstance(self.num_draft_tokens, int) or not 1 <= self.num_draft_tokens <= 64):
+            raise bad("num_draft_tokens", "use an integer between 1 and 64, or None to let the controller choose")
         if self.budget is not None and (not isinstance(self.budget, int) or self.budget < 1):
             raise bad("budget", "use a positive integer (branches per row) or None to measure it")
+        if self.budget is not None and self.budget > MAX_BUDGET:
+            raise bad("budget", f"at most {MAX_BUDGET} branches per row (a larger tree only costs time: the cache "
+                                "never holds more than (K+1)*(V-1)+1 distinct outcomes); or None to measure it")
         for name in ("fanout", "fanout_after_miss"):
             value = getattr(self, name)
             if value is None:
                 continue
+            if self.num_draft_tokens is None:
+                raise bad(name, "an explicit fan-out needs an explicit K: set num_draft_tokens too")
             if len(value) != self.num_draft_tokens + 1 or any(not isinstance(f, int) or f < 0 for f in value):
                 raise bad(name, f"give num_draft_tokens+1 = {self.num_draft_tokens + 1} non-negative integers")
         if self.alpha is not None and not 0.0 < self.alpha < 1.0:
@@ -77,14 +102,73 @@ class SSDConfig:
             raise bad("draft_temperature", "use a positive float (greedy drafting: leave it None with do_sample=False)")
         if self.worker not in WORKERS:
             raise bad("worker", f"choose one of {WORKERS}")
-        if self.draft_quantize not in (None, "int8"):
-            raise bad("draft_quantize", 'use "int8" (CPU dynamic int8 draft) or None')
+        if self.mode == "sync" and self.worker not in ("auto", "inline"):
+            raise bad("worker", "ssd_worker applies to ssd_mode='ssd' (the Saguaro draft side); synchronous SD "
+                                "(ssd_mode='sync') drafts inline: drop ssd_worker or use ssd_mode='ssd' or 'auto'")
+        if self.draft_device not in (None, "auto"):
+            import torch
+
+            try:
+                device = torch.device(self.draft_device)
+            except (RuntimeError, TypeError, ValueError) as e:
+                raise bad("draft_device", f"not a torch device ({e}); use e.g. 'cpu', 'cuda' or 'cuda:1'") from None
+            if device.type == "meta":
+                raise bad("draft_device", "'meta' holds no weights, so the draft could not run; use a real device "
+                                          "('cpu', 'cuda', ...) or None to keep the draft where it is")
+        if self.draft_quantize not in QUANTIZE:
+            raise bad("draft_quantize", 'use "int8" (CPU dynamic int8 draft), None (off) or "auto" (int8 where faster)')
         for name in ("draft_threads", "target_threads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise bad(name, "use a positive integer")
+        if not (isinstance(self.compile, bool) or self.compile == "auto"):
+            raise bad("compile", 'use True (static draft cache, compiled), False (off) or "auto" (on where faster)')
         if self.version > CONFIG_VERSION:
             raise bad("version", f"this hf_ssd reads config versions <= {CONFIG_VERSION}; upgrade hf_ssd")
+
+    def _check_types(self) -> None:
+        """TypeError naming the option for a value of the wrong type (a string, a float for an integer, NaN, a bool
+        for a number); integral and real numbers of other types (numpy) are normalised to int / float."""
+        import math
+        import numbers
+
+        def wrong(name: str, want: str) -> TypeError:
+            value = getattr(self, name)
+            return OptionTypeError(f"ssd_{name}={value!r} is invalid: use {want} (got {type(value).__name__})")
+
+        for name in INT_OPTIONS + ("version",):
+            value = getattr(self, name)
+            if value is None and name != "version":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise wrong(name, "an integer" + ("" if name == "version" else " or None"))
+            setattr(self, name, int(value))
+        for name in FLOAT_OPTIONS:
+            value = getattr(self, name)
+            if value is None and name != "downweight":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise wrong(name, "a number" + ("" if name == "downweight" else " or None"))
+            if not math.isfinite(float(value)):
+                raise ValueError(f"ssd_{name}={value!r} is invalid: use a finite number")
+            setattr(self, name, float(value))
+        for name in STR_OPTIONS:
+            value = getattr(self, name)
+            if name == "draft_device" and value is not None and type(value).__name__ == "device":
+                self.draft_device = value = str(value)  # a torch.device
+            if value is not None and not isinstance(value, str):
+                raise wrong(name, "a string" + (" or None" if name in ("draft_device", "draft_quantize") else ""))
+        for name in BOOL_OPTIONS:
+            if not isinstance(getattr(self, name), bool):
+                raise wrong(name, "True or False")
+        for name in LIST_OPTIONS:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, (list, tuple)) or any(
+                    isinstance(f, bool) or not isinstance(f, numbers.Integral) for f in value):
+                raise wrong(name, "a list of integers or None")
+            setattr(self, name, [int(f) for f in value])
 
     # ---- construction from kwargs / dicts ----------------------------------------------------------------------
     @classmethod

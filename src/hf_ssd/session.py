@@ -1,30 +1,76 @@
-"""The composition root of one ssd=True generation: the target cache, the draft side (a fallback chain of exact
-drafters on the worker the config asks for) and the engine that runs them."""
+"""The composition root of one ssd=True generation: the target cache, the draft side and the engine that runs them.
+
+The draft side is chosen in one of two ways:
+- every performance option is set (mode, K, budget, worker, quantization): that plan, as given;
+- otherwise the online controller (hf_ssd.control) measures the pair and picks the fastest exact plan among
+  those the set options allow, and may switch plans between rounds.
+Either way each plan runs behind a fallback chain of exact drafters (Saguaro -> synchronous SD -> plain steps).
+"""
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 
 from hf_ssd.config import SSDConfig
+from hf_ssd.control.controller import Controller, memory_for
+from hf_ssd.control.costs import measure_costs
+from hf_ssd.control.drafter import ControlledDrafter
+from hf_ssd.control.placement import choose_draft_device
+from hf_ssd.control.plan import Acceptance, Plan
 from hf_ssd.draft.fallback import FallbackDrafter
 from hf_ssd.draft.model import DraftModel
 from hf_ssd.draft.protocol import Drafter
 from hf_ssd.draft.quant import quantized_draft
 from hf_ssd.draft.sync import NullDrafter, SyncDrafter
-from hf_ssd.runtime.budget import measure_budget
 from hf_ssd.runtime.engine import Engine, RowOutputs
 from hf_ssd.runtime.kv import CachedModel, input_device
 from hf_ssd.runtime.processing import check_processors, with_temperature
+from hf_ssd.runtime.static_kv import static_draft_cache
 from hf_ssd.runtime.stats import SSDStats
-from hf_ssd.workers import make_drafter
+from hf_ssd.workers import default_worker, make_drafter
 
 
 def draft_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator:
     """The draft side's own RNG, seeded from the caller's, so sampling stays reproducible when it runs in a thread."""
     seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
     return torch.Generator(device=device).manual_seed(seed)
+
+
+def fixed_plan(config: SSDConfig, device: torch.device) -> Plan | None:
+    """The plan the options spell out completely, or None when the controller has something to choose."""
+    int8 = {"int8": True, None: False}.get(config.draft_quantize)
+    if config.mode == "auto" or config.num_draft_tokens is None or int8 is None:
+        return None
+    threads = None
+    if config.target_threads is not None and config.draft_threads is not None:
+        threads = (config.target_threads, config.draft_threads)
+    if config.mode == "sync":
+        return Plan("sync", config.num_draft_tokens, int8=int8, threads=threads)
+    if config.budget is None:
+        return None
+    worker = config.worker if config.worker != "auto" else default_worker(device)
+    return Plan("ssd", config.num_draft_tokens, config.budget, worker, int8, threads)
+
+
+def constraints(config: SSDConfig, device: torch.device, worker_handle) -> dict:
+    """What the set options leave the controller: {"mode": (...), "K": (...), "budget": n, "int8": b, "worker": w}."""
+    allowed: dict = {}
+    if config.mode != "auto":
+        allowed["mode"] = (config.mode,)
+    if config.num_draft_tokens is not None:
+        allowed["K"] = (config.num_draft_tokens,)
+    if config.budget is not None:
+        allowed["budget"] = config.budget
+    if config.draft_quantize != "auto" or device.type != "cpu":
+        allowed["int8"] = config.draft_quantize == "int8"
+    if config.worker != "auto" or worker_handle is not None:
+        allowed["worker"] = "process" if worker_handle is not None else config.worker
+    if config.target_threads is not None and config.draft_threads is not None:
+        allowed["threads"] = (config.target_threads, config.draft_threads)
+    return allowed
 
 
 def run_session(
@@ -40,10 +86,13 @@ def run_session(
     streamer=None,
     worker=None,
 ) -> tuple[RowOutputs, SSDStats]:
-    check_processors(processors)
-    if config.draft_device is not None:
-        draft.to(config.draft_device)
-    draft = quantized_draft(draft, config.draft_quantize)
+    check_processors(processors, trust=config.trust_processors)
+    if config.draft_device == "auto":
+        draft.to(choose_draft_device(target, draft))
+    elif config.draft_device is not None:
+        from hf_ssd.hf.validate import check_draft_device
+
+        draft.to(check_draft_device(config.draft_device))  # refused before anything moves
     B = input_ids.shape[0]
     greedy = not generation_config.do_sample
     vocab = target.config.get_text_config().vocab_size
@@ -52,31 +101,53 @@ def run_session(
     d_device = input_device(draft)
     d_gen = None if greedy else draft_generator(generator, d_device)
 
-    def make_draft_model(batch: int, downweight: float) -> DraftModel:
-        return DraftModel(draft, batch, vocab, draft_processors, greedy, downweight, d_gen)
+    def build(plan: Plan) -> Drafter:
+        """The plan's drafter behind its exact fallback chain."""
+        model = quantized_draft(draft, "int8" if plan.int8 else None)
+        K = plan.K
 
-    K = config.num_draft_tokens
+        def draft_model(batch: int, downweight: float, kv=None) -> DraftModel:
+            return DraftModel(model, batch, vocab, draft_processors, greedy, downweight, d_gen, kv)
 
-    def ssd_drafter() -> Drafter:
-        # The budget probe runs the draft model, so it sits inside the chain: a broken draft falls back from here too.
-        budget = config.budget or measure_budget(target, draft, K, B)
-        return make_drafter(config, make_draft_model(B, config.downweight), stats, budget, greedy, worker)
+        def ssd_drafter() -> Drafter:
+            plan_config = config.updated(**plan.options())
+            kv = static_draft_cache(model, plan_config, B, generation_config.max_length, K, plan.budget, vocab, worker)
+            return make_drafter(plan_config, draft_model(B, config.downweight, kv), stats, plan.budget, greedy, worker)
 
-    def sync_drafter() -> Drafter:
-        stats.worker = "inline"
-        return SyncDrafter(make_draft_model(B if config.mode == "sync" else 0, 1.0), K, stats)
+        def sync_drafter() -> Drafter:
+            stats.worker = "inline"
+            return SyncDrafter(draft_model(B if plan.mode == "sync" else 0, 1.0), K, stats)
 
-    # The fallback chain: each is exact; a failure moves to the next (plain target steps never fail on the draft).
-    chain = [ssd_drafter] if config.mode == "ssd" else []
-    chain += [sync_drafter, lambda: NullDrafter(K, input_device(target))]
-    drafter = FallbackDrafter(chain, stats)
-    target_kv = CachedModel(target, B)
-    engine = Engine(target_kv, drafter, processors, stopping, generation_config, stats, generator, streamer)
-    start = time.perf_counter()
-    threads_before = torch.get_num_threads()
-    if config.target_threads is not None:
-        torch.set_num_threads(config.target_threads)
-    try:
+        stats.mode = plan.mode
+        if plan.mode == "plain":
+            stats.worker = "inline"
+            return FallbackDrafter([lambda: NullDrafter(0, input_device(target))], stats)
+        chain = [ssd_drafter] if plan.mode == "ssd" else []
+        chain += [sync_drafter, lambda: NullDrafter(K, input_device(target))]
+        return FallbackDrafter(chain, stats)
+
+    threads_before = torch.get_num_threads()  # plans may set their own; the caller's setting comes back at the end
+    plan = fixed_plan(config, d_device)
+    if plan is not None:
+        drafter = build(plan)
+    else:
+        try:
+            controller = make_controller(target, draft, B, greedy, config, d_device, worker)
+        except Exception as exc:  # noqa: BLE001 - measuring runs the draft; a broken draft falls back, as in the chain
+            reason = f"{type(exc).__name__}: {exc}"
+            stats.fallback_reason = reason
+            warnings.warn(f"hf_ssd: the draft side (start-up) failed ({reason}); continuing on the exact fallback "
+                          "path. Generated tokens are kept and the output distribution is unchanged.",
+                          RuntimeWarning, stacklevel=2)
+            drafter = build(Plan("sync", config.num_draft_tokens or 4))
+        else:
+            drafter = ControlledDrafter(controller, build, stats)
+    try:  # from here on the drafter is closed whatever happens (it may hold a kept DraftProcess)
+        target_kv = CachedModel(target, B)
+        engine = Engine(target_kv, drafter, processors, stopping, generation_config, stats, generator, streamer)
+        start = time.perf_counter()
+        if config.target_threads is not None:
+            torch.set_num_threads(config.target_threads)
         rows = engine.run(input_ids.to(target_kv.device), mask.to(target_kv.device))
     finally:
         drafter.close()
@@ -84,3 +155,12 @@ def run_session(
     stats.wall_time = time.perf_counter() - start
     stats.draft_forwards = drafter.forwards
     return rows, stats
+
+
+def make_controller(target, draft, batch: int, greedy: bool, config: SSDConfig, device: torch.device,
+                    worker_handle) -> Controller:
+    allowed = constraints(config, device, worker_handle)
+    costs = measure_costs(target, draft, batch, int8="int8" not in allowed or allowed["int8"])
+    key = (id(target), id(draft), str(device), batch, greedy)
+    prior = Acceptance(alpha=0.7 if greedy else 0.6)
+    return Controller(costs, memory_for(key), batch, allowed, prior, fixed_alpha=config.alpha)

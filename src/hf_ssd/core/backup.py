@@ -2,7 +2,7 @@
 
 A batch round waits for its slowest row, so a JIT backup stalls everyone whenever any row misses (probability
 1 - p_hit^b). Below the batch size b* the JIT's better proposals pay for that; from b* on the fast backup wins
-(SPEC.md section 6). b* is recomputed from the run's own measurements.
+(docs/algorithm.md §6). b* is recomputed from the run's own measurements.
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ Failures of the draft side are handled below it (hf_ssd.draft.fallback), so the 
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,7 @@ class Engine:
         self.want_scores = bool(generation_config.output_scores)
         self.want_logits = bool(generation_config.output_logits)
         self.stats, self.generator, self.streamer = stats, generator, streamer
+        self.cache_warned = False
 
     # ---- the loop -----------------------------------------------------------------------------------------------
     def run(self, prompt: torch.Tensor, mask: torch.Tensor) -> RowOutputs:
@@ -81,6 +83,7 @@ class Engine:
                 kept = rows.tolist()
                 verdict = Verdict(outcome, keep, self.history.rows(kept),
                                   [self.history.prompt_masks[r] for r in kept], record.verify_end - record.verify_start)
+                record.resolve_start = self.stats.now()
                 result = self.drafter.resolve(verdict)
                 spec = result.spec
                 record.resolve_end = self.stats.now()
@@ -104,7 +107,9 @@ class Engine:
             outcome = verify_greedy(spec.tokens.to(scores.device), spec.n.to(scores.device), scores)
         else:
             p = torch.softmax(scores, dim=-1)
-            outcome = verify_sampled(spec.tokens.to(p.device), spec.n.to(p.device), p, spec.q.to(p.device), self.generator)
+            # a speculation with no drafts at all (plain target steps) carries no q; its slots are never accepted
+            q = spec.q.to(p.device) if spec.q is not None else p.new_zeros(p.shape[0], K, p.shape[-1])
+            outcome = verify_sampled(spec.tokens.to(p.device), spec.n.to(p.device), p, q, self.generator)
         record.verify_end = self.stats.now()
         self.stats.rounds += 1
         self.stats.drafted += int(spec.n.sum())
@@ -160,3 +165,20 @@ class Engine:
             self.stats.per_row_lookups[r] += 1
             self.stats.per_row_hits[r] += int(h)
         record.hits, record.lookups, record.backup = sum(hits), len(hits), result.backup
+        self._watch_cache()
+
+    def _watch_cache(self) -> None:
+        """Say once when the speculation cache is effectively off: SSD then only adds work to synchronous SD."""
+        if self.cache_warned:
+            return
+        s = self.stats
+        reason = None
+        if s.budget is not None and s.budget < 2:
+            reason = f"its budget is {s.budget} branch per row"
+        elif s.cache_lookups >= 20 * max(1, len(s.per_row_lookups)) and (s.hit_rate or 0.0) < 0.10:
+            reason = f"{s.cache_hits} of {s.cache_lookups} lookups hit ({s.hit_rate:.0%})"
+        if reason is not None:
+            self.cache_warned = True
+            warnings.warn(f"hf_ssd: the speculation cache is effectively disabled ({reason}); SSD cannot beat "
+                          "synchronous SD like this. Raise ssd_budget, or leave ssd_mode unset so the controller "
+                          "picks the faster exact mode.", RuntimeWarning, stacklevel=2)

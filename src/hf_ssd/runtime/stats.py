@@ -15,9 +15,9 @@ class RoundRecord:
     verify_end: float
     draft_start: float | None = None  # tree build (or JIT drafting in sync mode)
     draft_end: float | None = None
-    resolve_end: float | None = None  # outcome handed over and next speculation ready (handshake + backup)
+    resolve_start: float | None = None  # commit done (the engine's own host work ends), outcome handed over
+    resolve_end: float | None = None  # next speculation ready (handshake + backup)
     rows: int = 0
-    accepted: int = 0
     hits: int = 0
     lookups: int = 0
     backup: str | None = None
@@ -48,6 +48,10 @@ class SSDStats:
     power_r: float | None = None
     backup_threshold: int | None = None
     fallback_reason: str | None = None  # set when the draft side failed and the exact sync path took over
+    controller: dict | None = None  # the controller's choice, reasons, predictions and switches (mode="auto")
+    draft_static: bool = False  # the Saguaro draft side ran on the static, fixed-shape cache (ssd_compile)
+    draft_compiled: bool = False  # ... and its glue and tree forwards ran as compiled graphs
+    draft_compile_s: float = 0.0  # seconds this generation spent compiling them (0 when already compiled)
     timeline: list[RoundRecord] = field(default_factory=list)
     wall_time: float = 0.0
     started: float = field(default_factory=time.perf_counter)
@@ -71,7 +75,8 @@ class SSDStats:
         return self.cache_hits / self.cache_lookups if self.cache_lookups else None
 
     def phase_means(self) -> dict[str, float]:
-        """Mean seconds per round of verify, draft (tree/JIT), resolve (handshake + backup), and the round."""
+        """Mean seconds per round of verify, draft (tree/JIT), resolve (commit + handshake + backup), host (the
+        engine's own work: commit, cache bookkeeping), and the whole round."""
         recs = self.timeline
         if not recs:
             return {}
@@ -82,6 +87,7 @@ class SSDStats:
         out = {"verify": mean([r.verify_end - r.verify_start for r in recs])}
         out["draft"] = mean([r.draft_end - r.draft_start for r in recs if r.draft_start is not None and r.draft_end])
         out["resolve"] = mean([r.resolve_end - r.verify_end for r in recs if r.resolve_end is not None])
+        out["host"] = mean([r.resolve_start - r.verify_end for r in recs if r.resolve_start is not None])
         starts = [r.verify_start for r in recs]
         out["round"] = mean([b - a for a, b in zip(starts, starts[1:])])
         return out
@@ -126,6 +132,10 @@ class SSDStats:
             "power_r": self.power_r,
             "backup_threshold": self.backup_threshold,
             "fallback_reason": self.fallback_reason,
+            "controller": self.controller,
+            "draft_static": self.draft_static,
+            "draft_compiled": self.draft_compiled,
+            "draft_compile_s": self.draft_compile_s,
             "phase_means_s": {k: round(v, 6) for k, v in self.phase_means().items()},
             "overlap_fraction": self.overlap_fraction(),
             "wall_time_s": round(self.wall_time, 4),

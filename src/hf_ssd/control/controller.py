@@ -1,0 +1,153 @@
+"""The online controller: picks the fastest exact plan from measurement, and re-picks as measurements come in.
+
+Its inputs are the measured cost lines of the pair (control/costs.py), the acceptance it has observed (α, the
+bonus token's guessability r, the cache hit rate) and the round times each plan really took. Predictions come from
+control/plan.py; a plan that has run replaces its predicted round time by its measured one. What it learns is kept
+per (target, draft, device, batch size, greedy or sampled) for the life of the process, so a second generate() call
+starts from the first one's knowledge. A decision never changes the output law: every plan is exact.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field, replace
+
+from hf_ssd.control.costs import Costs
+from hf_ssd.control.plan import Acceptance, Plan, Prediction, candidates, predict
+
+MIN_ROUNDS = 4  # rounds a plan must have run before its measured round time replaces the model's
+SWITCH_GAIN = 1.10  # switch mid-generation only for a predicted gain of 10% or more (timings are noisy)
+SIMPLER_WITHIN = 0.97  # prefer the simpler plan when the fancier one is predicted less than 3% faster
+COMPLEXITY = {"plain": 0, "sync": 1, "ssd": 2}
+
+
+class Ema:
+    """Exponential moving average that starts at its first observation."""
+
+    def __init__(self, weight: float = 0.2):
+        self.weight, self.value, self.n = weight, None, 0
+
+    def add(self, x: float, count: int = 1) -> None:
+        for _ in range(count):
+            self.value = x if self.value is None else (1 - self.weight) * self.value + self.weight * x
+        self.n += count
+
+
+@dataclass
+class Memory:
+    """What the controller knows about one (pair, device, batch, sampling) setting."""
+
+    accepted: float = 0.0  # accepted drafts, summed over rows and rounds (for α)
+    rejected: float = 0.0  # rejections (rounds where a row did not accept every draft it had)
+    hits: float = 0.0
+    lookups: float = 0.0
+    round_s: dict[Plan, Ema] = field(default_factory=dict)  # measured seconds per round, per plan that ran
+
+    def alpha(self, prior: float) -> float:
+        weight = 8.0  # pseudo-observations of the prior
+        return (self.accepted + prior * weight) / (self.accepted + self.rejected + weight)
+
+
+_MEMORY: dict[tuple, Memory] = {}
+
+
+def memory_for(key: tuple) -> Memory:
+    return _MEMORY.setdefault(key, Memory())
+
+
+@dataclass
+class Decision:
+    plan: Plan
+    reason: str
+    table: list[Prediction]  # the best few alternatives, fastest first
+
+
+class Controller:
+    def __init__(self, costs: Costs, memory: Memory, batch: int, allowed: dict, prior: Acceptance | None = None,
+                 fixed_alpha: float | None = None):
+        """allowed: constraints from explicit options, e.g. {"mode": ("ssd",), "K": (4,), "budget": 8,
+        "int8": False, "worker": "thread", "threads": (1, 1)}; absent keys are free."""
+        self.costs, self.memory, self.batch = costs, memory, batch
+        self.allowed = allowed
+        self.prior = prior or Acceptance()
+        self.fixed_alpha = fixed_alpha
+        search = {"modes": tuple(allowed.get("mode", ("plain", "sync", "ssd"))), "max_K": max(allowed.get("K", (8,)))}
+        if "budget" in allowed:
+            search["budgets"] = (allowed["budget"],)
+        plans = [p for p in candidates(costs, **search) if self._permitted(p)]
+        if "worker" in allowed:  # an inline tree runs alone, on every thread
+            threads = None if allowed["worker"] == "inline" else costs.split
+            plans = [replace(p, worker=allowed["worker"], threads=threads) if p.mode == "ssd" else p for p in plans]
+        if "threads" in allowed:
+            plans = [replace(p, threads=allowed["threads"]) for p in plans]
+        self.plans = plans
+        if not self.plans:
+            raise ValueError(f"no decoding plan satisfies the given options {allowed}")
+
+    def _permitted(self, p: Plan) -> bool:
+        a = self.allowed
+        if p.mode != "plain" and "K" in a and p.K not in a["K"]:
+            return False
+        if p.mode == "ssd" and "budget" in a and p.budget != a["budget"]:
+            return False
+        return "int8" not in a or p.int8 == a["int8"]
+
+    # ---- what the controller believes -------------------------------------------------------------------------
+    def acceptance(self) -> Acceptance:
+        m = self.memory
+        alpha = self.fixed_alpha if self.fixed_alpha is not None else m.alpha(self.prior.alpha)
+        return Acceptance(alpha=alpha, alpha_backup=None, r=self.prior.r, top1_miss=self.prior.top1_miss)
+
+    def model(self, plan: Plan) -> Prediction:
+        """The cost model's prediction, before any calibration."""
+        return predict(plan, self.costs, self.acceptance(), self.batch)
+
+    def calibration(self, mode: str) -> float:
+        """Measured / modelled round time of the plans of `mode` that ran: the engine's own work, thread contention
+        and whatever else the cost lines miss. Without it, plans that never ran would look better than their
+        siblings that did, and the controller would hop between them. Other modes keep the model's figure (each
+        is tried at most once before its own measurements take over)."""
+        ratios = [measured.value / max(self.model(plan).round_s, 1e-9)
+                  for plan, measured in self.memory.round_s.items() if plan.mode == mode and measured.n >= MIN_ROUNDS]
+        return statistics.median(ratios) if ratios else 1.0
+
+    def predict(self, plan: Plan) -> Prediction:
+        pred = self.model(plan)
+        measured = self.memory.round_s.get(plan)
+        if measured is not None and measured.n >= MIN_ROUNDS:
+            pred.round_s = measured.value
+            pred.parts = {**pred.parts, "measured_round": measured.value}
+        else:
+            pred.round_s *= self.calibration(plan.mode)
+        if plan.mode == "ssd" and measured is not None and self.memory.lookups >= 20:
+            pred.p_hit = self.memory.hits / self.memory.lookups  # for the record: the measured round includes misses
+        return pred
+
+    # ---- choosing ---------------------------------------------------------------------------------------------
+    def decide(self, current: Plan | None = None) -> Decision:
+        preds = sorted((self.predict(p) for p in self.plans), key=lambda x: -x.tokens_per_s)
+        best = preds[0]
+        # Among plans within 3% of the fastest, take the simplest: less that can go wrong, nothing to gain.
+        for pred in preds:
+            if pred.tokens_per_s >= best.tokens_per_s * SIMPLER_WITHIN and \
+                    COMPLEXITY[pred.plan.mode] < COMPLEXITY[best.plan.mode]:
+                best = pred
+        if current is not None and best.plan != current:
+            now = next((p for p in preds if p.plan == current), None)
+            if now is not None and best.tokens_per_s < now.tokens_per_s * SWITCH_GAIN:
+                return Decision(current, f"keeping {current.label}: {best.plan.label} is predicted "
+                                         f"{best.tokens_per_s / max(now.tokens_per_s, 1e-9):.2f}x, under the "
+                                         f"{SWITCH_GAIN:.2f}x needed to switch", preds[:6])
+        return Decision(best.plan, self._explain(best, preds), preds[:6])
+
+    def _explain(self, best: Prediction, preds: list[Prediction]) -> str:
+        acc = self.acceptance()
+        runner_up = {m: next((p for p in preds if p.plan.mode == m), None) for m in ("plain", "sync", "ssd")}
+        bits = [f"{best.plan.label}: predicted {best.tokens_per_s:.2f} tok/s at alpha={acc.alpha:.2f}"]
+        for mode, pred in runner_up.items():
+            if pred is not None and pred.plan.mode != best.plan.mode:
+                bits.append(f"best {mode} {pred.tokens_per_s:.2f} tok/s ({pred.plan.label})")
+        parts = best.parts
+        if best.plan.mode == "ssd":
+            ratio = parts["tree"] / max(parts["verify"], 1e-9)
+            bits.append(f"tree of {best.plan.budget} branches = {ratio:.2f} verifies, hit rate ~{best.p_hit:.0%}")
+        return "; ".join(bits)

@@ -1,0 +1,107 @@
+"""A drafter that follows the controller: it runs the chosen plan's drafter, measures every round, and switches to
+another exact plan at a round boundary when the controller finds one clearly faster.
+
+A switch closes the current drafter and restarts the new one on the committed tokens, exactly as a fallback
+does, so no token is lost and the output law stays the target's.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from hf_ssd.control.controller import Controller, Ema, Memory
+from hf_ssd.control.plan import Plan
+from hf_ssd.core.types import DraftResult, Speculation, Verdict
+from hf_ssd.draft.protocol import Drafter
+from hf_ssd.runtime.stats import SSDStats
+
+DECIDE_EVERY = 8  # rounds between re-decisions
+
+
+class ControlledDrafter(Drafter):
+    def __init__(self, controller: Controller, build: Callable[[Plan], Drafter], stats: SSDStats):
+        self.controller, self.build, self.stats = controller, build, stats
+        decision = controller.decide()
+        self.plan = decision.plan
+        self.record = {"choice": self.plan.label, "reason": decision.reason, "switches": [],
+                       "predicted": [_row(p) for p in decision.table], "probe_s": round(controller.costs.probe_s, 4)}
+        stats.controller = self.record
+        self.caller_threads = torch.get_num_threads()
+        self._apply_threads()
+        self.current = build(self.plan)
+        self.retired_forwards = 0
+        self.rounds = 0
+        self.last_start: float | None = None  # when the previous round's resolve began (None: not a plan round)
+
+    @property
+    def kind(self) -> str:
+        return self.current.kind
+
+    @property
+    def memory(self) -> Memory:
+        return self.controller.memory
+
+    @property
+    def forwards(self) -> int:
+        return self.retired_forwards + self.current.forwards
+
+    def start(self, prompt: torch.Tensor, mask: torch.Tensor) -> Speculation:
+        return self.current.start(prompt, mask)
+
+    def begin(self, spec: Speculation) -> None:
+        self.spec = spec
+        self.current.begin(spec)
+
+    def resolve(self, verdict: Verdict) -> DraftResult:
+        now = time.perf_counter()
+        self._observe(verdict, now)
+        self.rounds += 1
+        if self.rounds % DECIDE_EVERY == 0:
+            decision = self.controller.decide(self.plan)
+            if decision.plan != self.plan:
+                return self._switch(decision, verdict)
+        result = self.current.resolve(verdict)
+        if result.hits is not None:
+            self.memory.hits += float(result.hits.sum())
+            self.memory.lookups += result.hits.numel()
+        return result
+
+    def close(self) -> None:
+        self.current.close()
+
+    # ---- measuring ------------------------------------------------------------------------------------------------
+    def _observe(self, verdict: Verdict, now: float) -> None:
+        """Acceptance from this round's outcome; the plan's round time from one resolve's start to the next's."""
+        k = verdict.outcome.accepted.cpu()
+        n = self.spec.n.cpu()
+        drafted = n > 0
+        self.memory.accepted += float(k[drafted].sum())
+        self.memory.rejected += float((k[drafted] < n[drafted]).sum())
+        if self.last_start is not None:
+            self.memory.round_s.setdefault(self.plan, Ema()).add(now - self.last_start)
+        self.last_start = now
+
+    def _switch(self, decision, verdict: Verdict) -> DraftResult:
+        before = self.plan
+        self.record["switches"].append({"round": self.rounds, "from": before.label, "to": decision.plan.label,
+                                        "reason": decision.reason})
+        self.stats.controller = self.record
+        self.retired_forwards += self.current.forwards
+        self.current.close()
+        self.plan = decision.plan
+        self.record["choice"] = self.plan.label
+        self._apply_threads()
+        self.current = self.build(self.plan)
+        spec = self.current.restart(verdict.contexts, verdict.masks())
+        self.last_start = None  # the restart's prefill is not a round of the new plan
+        return DraftResult(spec)
+
+    def _apply_threads(self) -> None:
+        torch.set_num_threads(self.plan.threads[0] if self.plan.threads is not None else self.caller_threads)
+
+
+def _row(pred) -> dict:
+    return {"plan": pred.plan.label, "tok_s": round(pred.tokens_per_s, 3), "round_s": round(pred.round_s, 5),
+            "p_hit": None if pred.p_hit is None else round(pred.p_hit, 3)}

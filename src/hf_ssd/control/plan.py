@@ -1,0 +1,119 @@
+"""Plans (one exact way to decode) and their predicted speed from measured costs and acceptance.
+
+Every plan yields the target's exact output law; they differ only in speed. A plan's speed is tokens per round
+over seconds per round (docs/algorithm.md §6), with the round's parts read off the measured cost lines:
+
+- plain:  one target forward of 1 token per row;
+- sync:   K draft steps, then a verify of K+1 tokens;
+- ssd:    the verify and the tree (glue of K+1 tokens + K steps over N branches) at the same time, each on its
+          share of the hardware; on a miss the batch also waits for the backup (K draft steps).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hf_ssd.control.costs import Costs
+from hf_ssd.core.fanout import expected_hit_rate, geometric_fanout
+from hf_ssd.core.speed_model import expected_tokens_per_round
+
+MODES = ("plain", "sync", "ssd")
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: str  # "plain" (target steps only), "sync" (synchronous SD) or "ssd" (Saguaro)
+    K: int = 0  # drafts per round
+    budget: int = 0  # branches per row in the speculation cache (ssd)
+    worker: str = "inline"  # where the ssd tree is built: "thread" (beside the verify) or "inline"
+    int8: bool = False  # the int8 copy of the draft (CPU)
+    threads: tuple[int, int] | None = None  # (target, draft) intra-op threads; None = as the caller set them
+
+    @property
+    def label(self) -> str:
+        if self.mode == "plain":
+            return "plain"
+        parts = [self.mode, f"K={self.K}"]
+        if self.mode == "ssd":
+            parts += [f"budget={self.budget}", self.worker]
+        if self.int8:
+            parts.append("int8")
+        if self.threads is not None:
+            parts.append(f"threads={self.threads[0]}+{self.threads[1]}")
+        return " ".join(parts)
+
+    def options(self) -> dict:
+        """The SSDConfig fields this plan stands for."""
+        opts = {"mode": "sync" if self.mode == "plain" else self.mode, "num_draft_tokens": max(self.K, 1),
+                "draft_quantize": "int8" if self.int8 else None}
+        if self.mode == "ssd":
+            opts.update(budget=self.budget, worker=self.worker)
+        if self.threads is not None:
+            opts.update(target_threads=self.threads[0], draft_threads=self.threads[1])
+        return opts
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """What the draft's proposals are worth: per-token acceptance and how guessable the bonus token is."""
+
+    alpha: float = 0.7  # per-token acceptance of the primary draft
+    alpha_backup: float | None = None  # of the backup's proposals after a miss (default: alpha, a JIT backup)
+    r: float = 1.0  # miss-rate exponent: P(bonus outside the top F) = top1_miss * F^-r
+    top1_miss: float = 0.5
+
+
+@dataclass
+class Prediction:
+    plan: Plan
+    tokens_per_round: float  # summed over the batch
+    round_s: float
+    p_hit: float | None = None
+    parts: dict = field(default_factory=dict)  # seconds of each part of the round, for reasons and `doctor`
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_round / self.round_s if self.round_s > 0 else 0.0
+
+
+def predict(plan: Plan, costs: Costs, acc: Acceptance, batch: int, overhead_s: float = 0.0) -> Prediction:
+    """Predicted tokens per round and seconds per round of `plan` (overhead_s: the engine's own work per round)."""
+    if plan.mode == "plain":
+        t = costs.target(False)(1)
+        return Prediction(plan, float(batch), t + overhead_s, parts={"target_step": t})
+    K = plan.K
+    e = expected_tokens_per_round(min(max(acc.alpha, 0.0), 1.0), K)
+    if plan.mode == "sync":
+        draft = costs.draft(False, plan.int8)
+        verify, drafting = costs.target(False)(K + 1), draft(2) + (K - 1) * draft(1)
+        return Prediction(plan, batch * e, verify + drafting + overhead_s, parts={"verify": verify, "draft": drafting})
+    concurrent = plan.worker != "inline"
+    split = concurrent and costs.split is not None
+    draft = costs.draft(split, plan.int8)
+    verify = costs.target(split)(K + 1)
+    tree = draft(K + 1) + K * draft(plan.budget)
+    backup = draft(1) + (K - 1) * draft(1)
+    fanout = geometric_fanout(plan.budget, acc.alpha, acc.r, K, top1_miss=acc.top1_miss)
+    p_hit = expected_hit_rate(fanout, acc.alpha, acc.r, top1_miss=acc.top1_miss)
+    e_miss = e if acc.alpha_backup is None else expected_tokens_per_round(acc.alpha_backup, K)
+    all_hit = p_hit**batch
+    base = max(verify, tree) if concurrent else verify + tree
+    round_s = base + (1.0 - all_hit) * backup + overhead_s
+    tokens = batch * (p_hit * e + (1.0 - p_hit) * e_miss)
+    return Prediction(plan, tokens, round_s, p_hit, parts={"verify": verify, "tree": tree, "backup": backup})
+
+
+def candidates(costs: Costs, max_K: int = 8, budgets: tuple[int, ...] = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64),
+               modes: tuple[str, ...] = MODES) -> list[Plan]:
+    """Every plan worth predicting on this hardware. Inline SSD is left out: it builds the tree and then verifies,
+    so it never beats synchronous SD; the process worker is left out: its hand-over costs more than a thread's."""
+    int8s = (False, True) if costs.draft_int8_all is not None else (False,)
+    plans = [Plan("plain")] if "plain" in modes else []
+    for K in range(1, max_K + 1):
+        for int8 in int8s:
+            if "sync" in modes:
+                plans.append(Plan("sync", K, int8=int8))
+            if "ssd" in modes:
+                for budget in budgets:
+                    if budget >= K + 1 or len(budgets) == 1:
+                        plans.append(Plan("ssd", K, budget, "thread", int8, costs.split))
+    return plans

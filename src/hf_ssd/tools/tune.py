@@ -1,0 +1,123 @@
+"""`hf-ssd tune` and `hf-ssd doctor`: measure a model pair on this machine.
+
+doctor: the cost probe, in plain words, and what the controller would choose.
+tune:   also times real generations of the controller's best plans of each mode (plain, sync SD, SSD) on tuning
+        prompts, keeps the fastest, and writes it as an SSDConfig (ssd_config.json) that generate() picks up from
+        the model directory, with a table of everything it tried. The tuning prompts come from HumanEval; report
+        speed on other prompt sets (`hf-ssd bench --prompt-set mtbench`), never on the ones tuned on.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+TUNE_PROMPT_SET = "humaneval"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pair", default="default", help="model pair from hf_ssd.tools.assets.PAIRS")
+    p.add_argument("--tiny", action="store_true", help="a tiny random pair (seconds; for checking the tool)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompts", type=int, default=3, help="tuning prompts (HumanEval)")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per plan (the median counts)")
+    p.add_argument("--top", type=int, default=2, help="plans tried per mode, best predicted first")
+    p.add_argument("--out", default=None, help="where to write ssd_config.json (default: the target's model dir)")
+    p.add_argument("--modes", default="plain,sync,ssd", help="plans to try, e.g. sync,ssd (default: all)")
+    p.add_argument("--push-to-hub", default=None, metavar="REPO", help="also upload the config to this Hub repo")
+    p.add_argument("--doctor", action="store_true", help="only explain the measured costs; write nothing")
+
+
+def load(args):
+    if args.tiny:
+        from hf_ssd.testing import tiny_pair
+
+        return tiny_pair()
+    from hf_ssd.tools.assets import load_default_pair
+
+    return load_default_pair()
+
+
+def tuning_batches(tokenizer, n: int, batch: int) -> list[dict]:
+    from hf_ssd.tools.prompts import format_chat, load_prompts
+
+    texts = [format_chat(tokenizer, r["prompt"]) for r in load_prompts(TUNE_PROMPT_SET, n=max(n, batch), max_chars=800)]
+    return [tokenizer(texts[i:i + batch], return_tensors="pt", padding=True, padding_side="left")
+            for i in range(0, len(texts) - batch + 1, batch)]
+
+
+def timed(target, draft, batches, options: dict | None, max_new_tokens: int, repeats: int) -> dict:
+    """Median decode tok/s of a plan over the tuning batches (options None: transformers' plain generate)."""
+    runs = []
+    for _ in range(repeats):
+        tokens, seconds = 0, 0.0
+        for enc in batches:
+            kw = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=target.generation_config.pad_token_id
+                      or 0)
+            if options is not None:
+                kw.update(assistant_model=draft, ssd=True, ssd_config=options)
+            start = time.perf_counter()
+            out = target.generate(**enc, **kw)
+            seconds += time.perf_counter() - start
+            tokens += (out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0]
+        runs.append(tokens / seconds)
+    return {"median_tok_s": statistics.median(runs), "min_tok_s": min(runs), "max_tok_s": max(runs), "runs": runs}
+
+
+def run(args: argparse.Namespace) -> int:
+    import hf_ssd  # noqa: F401  (enables ssd=True)
+    from tqdm.auto import tqdm
+
+    from hf_ssd.config import SSDConfig
+    from hf_ssd.control.explain import diagnose
+    from hf_ssd.session import make_controller
+
+    target, draft, tokenizer = load(args)
+    device = target.get_input_embeddings().weight.device
+    controller = make_controller(target, draft, args.batch, True, SSDConfig(), device, None)
+    print(f"measured the pair in {controller.costs.probe_s:.1f} s")
+    for line in diagnose(controller.costs, controller):
+        print("-", line)
+    if args.doctor:
+        return 0
+    batches = tuning_batches(tokenizer, args.prompts, args.batch)
+    preds = sorted((controller.predict(p) for p in controller.plans), key=lambda x: -x.tokens_per_s)
+    shortlist = []
+    for mode in args.modes.split(","):
+        shortlist += [p for p in preds if p.plan.mode == mode][: args.top]
+    # warm-up: kernels, the int8 copy, worker threads
+    target.generate(**batches[0], max_new_tokens=4, do_sample=False)
+    tried = []
+    for pred in tqdm(shortlist, desc="tune: timing plans", unit="plan"):
+        options = None if pred.plan.mode == "plain" else SSDConfig(**pred.plan.options())
+        if options is not None:
+            timed(target, draft, batches[:1], options, 4, 1)  # warm this plan's own shapes and threads
+        result = timed(target, draft, batches, options, args.max_new_tokens, args.repeats)
+        tried.append({"plan": pred.plan.label, "options": None if options is None else options.to_dict(),
+                      "predicted_tok_s": round(pred.tokens_per_s, 3), **{k: v for k, v in result.items()}})
+    tried.sort(key=lambda r: -r["median_tok_s"])
+    best = tried[0]
+    out_dir = Path(args.out) if args.out else Path(str(getattr(target, "name_or_path", "") or "."))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print("\n| plan | predicted tok/s | measured tok/s, median (min-max) |\n|---|---|---|")
+    for r in tried:
+        print(f"| {r['plan']} | {r['predicted_tok_s']:.2f} | {r['median_tok_s']:.2f} "
+              f"({r['min_tok_s']:.2f}-{r['max_tok_s']:.2f}) |")
+    (out_dir / "ssd_tune.json").write_text(json.dumps({"batch": args.batch, "prompt_set": TUNE_PROMPT_SET,
+                                                       "prompts": args.prompts, "tried": tried}, indent=2) + "\n")
+    if best["options"] is None:
+        print(f"\nplain decoding is fastest here for this pair at batch {args.batch}; no SSD config written "
+              f"(generate(..., ssd=True) keeps choosing by itself). Table: {out_dir / 'ssd_tune.json'}")
+        return 0
+    config = SSDConfig.from_dict(best["options"])
+    path = config.save_pretrained(out_dir)
+    if args.push_to_hub:
+        config.push_to_hub(args.push_to_hub)
+    print(f"\nbest: {best['plan']} at {best['median_tok_s']:.2f} tok/s; wrote {path} "
+          f"(generate(..., ssd=True) picks it up from that model directory). Table: {out_dir / 'ssd_tune.json'}")
+    return 0

@@ -1,0 +1,135 @@
+"""The controller, driven with injected costs and acceptance (deterministic): it picks the cheaper exact plan,
+reacts when costs change, never picks a plan predicted more than 5% slower than another, and its switches
+mid-generation keep the output exact."""
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+
+from hf_ssd.control.controller import Controller, Ema, Memory
+from hf_ssd.control.costs import Costs, Line
+from hf_ssd.control.plan import Acceptance, Plan, candidates, predict
+from hf_ssd.testing import get_pair, left_pad, plain_generate, prompt
+
+
+def costs(verify=(0.10, 0.002), draft=(0.02, 0.0005), split=1.0, batch=1, int8=None) -> Costs:
+    """Cost lines in seconds: (fixed, per token). `split` scales both sides when they share the machine."""
+    t, d = Line(*verify), Line(*draft)
+    ts, ds = Line(t.fixed * split, t.per_token * split), Line(d.fixed * split, d.per_token * split)
+    q = None if int8 is None else Line(*int8)
+    return Costs(batch, t, d, ts, ds, (1, 1), q, q)
+
+
+def controller(c: Costs, alpha: float, allowed: dict | None = None, batch: int = 1) -> Controller:
+    return Controller(c, Memory(), batch, allowed or {}, fixed_alpha=alpha)
+
+
+def test_cheap_draft_good_acceptance_picks_ssd():
+    d = controller(costs(), alpha=0.8).decide()
+    assert d.plan.mode == "ssd"
+    assert "predicted" in d.reason
+
+
+def test_no_spare_hardware_picks_sync():
+    # Running both sides at once halves each side's speed (one core shared): the tree cannot hide.
+    d = controller(costs(split=2.0), alpha=0.8).decide()
+    assert d.plan.mode == "sync"
+
+
+def test_useless_draft_picks_plain():
+    d = controller(costs(draft=(0.08, 0.002)), alpha=0.05).decide()
+    assert d.plan == Plan("plain")
+
+
+def test_int8_draft_chosen_when_cheaper():
+    c = costs(draft=(0.04, 0.001), int8=(0.012, 0.0003))
+    assert controller(c, alpha=0.8).decide().plan.int8
+    assert not controller(c, 0.8, {"int8": False}).decide().plan.int8
+
+
+def test_explicit_options_win():
+    c = costs(split=2.0)
+    d = controller(c, 0.8, {"mode": ("ssd",), "K": (3,), "budget": 8}).decide()
+    assert (d.plan.mode, d.plan.K, d.plan.budget) == ("ssd", 3, 8)
+    assert controller(c, 0.8, {"mode": ("sync",)}).decide().plan.mode == "sync"
+
+
+def test_never_picks_a_plan_predicted_more_than_5_percent_slower():
+    rng = random.Random(0)
+    for _ in range(200):
+        c = costs(verify=(rng.uniform(0.01, 1), rng.uniform(0, 0.05)), draft=(rng.uniform(0.001, 0.5), rng.uniform(0, 0.02)),
+                  split=rng.uniform(0.8, 2.5), batch=rng.choice([1, 4, 16]))
+        ctl = controller(c, rng.uniform(0.05, 0.99), batch=c.batch)
+        chosen = ctl.decide()
+        best = max(ctl.predict(p).tokens_per_s for p in ctl.plans)
+        assert ctl.predict(chosen.plan).tokens_per_s >= 0.95 * best
+
+
+def test_reacts_when_costs_change_mid_generation():
+    ctl = controller(costs(), alpha=0.8)
+    first = ctl.decide().plan
+    assert first.mode == "ssd"
+    # The plan runs, and its rounds turn out 5x slower than modelled (e.g. the machine got busy on the draft core).
+    slow = Ema()
+    slow.add(5 * predict(first, ctl.costs, Acceptance(alpha=0.8), 1).round_s, count=8)
+    ctl.memory.round_s[first] = slow
+    second = ctl.decide(current=first)
+    assert second.plan != first
+    assert ctl.predict(second.plan).tokens_per_s > ctl.predict(first).tokens_per_s
+
+
+def test_small_gains_do_not_switch():
+    ctl = controller(costs(), alpha=0.8)
+    first = ctl.decide().plan
+    ema = Ema()
+    ema.add(1.05 * predict(first, ctl.costs, Acceptance(alpha=0.8), 1).round_s, count=8)
+    ctl.memory.round_s[first] = ema
+    assert ctl.decide(current=first).plan == first
+
+
+def test_candidates_cover_modes_and_skip_inline_ssd():
+    plans = candidates(costs())
+    assert {p.mode for p in plans} == {"plain", "sync", "ssd"}
+    assert all(p.worker == "thread" for p in plans if p.mode == "ssd")
+
+
+# ---- exactness while the controller switches plans mid-generation ------------------------------------------------
+PLANS = [Plan("ssd", 3, 6, "thread"), Plan("sync", 2), Plan("plain"), Plan("ssd", 4, 8, "inline"), Plan("sync", 4)]
+
+
+@pytest.fixture
+def switching(monkeypatch):
+    """A controller that moves to the next plan of PLANS at every decision point."""
+    from hf_ssd.control import controller as ctl_mod
+
+    def decide(self, current=None):
+        i = 0 if current is None else (PLANS.index(current) + 1) % len(PLANS)
+        return ctl_mod.Decision(PLANS[i], "test: rotate", [])
+
+    monkeypatch.setattr(ctl_mod.Controller, "decide", decide)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
+def test_greedy_identical_while_switching(switching, arch):
+    pair = get_pair(arch)
+    ids, mask = left_pad([prompt(7, seed=3)[0], prompt(4, seed=4)[0]])
+    ref = plain_generate(pair.target, ids, attention_mask=mask, max_new_tokens=60)
+    out = pair.target.generate(ids, attention_mask=mask, assistant_model=pair.related, ssd=True, max_new_tokens=60,
+                               do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    switches = out.ssd_stats["controller"]["switches"]
+    assert len(switches) >= 3 and {s["to"] for s in switches} >= {"sync K=2", "plain"}
+
+
+def test_cache_off_warns_once():
+    pair = get_pair("llama")
+    ids = prompt(6, seed=9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pair.target.generate(ids, assistant_model=pair.shallow, ssd=True, ssd_mode="ssd", ssd_num_draft_tokens=3,
+                             ssd_budget=1, ssd_worker="inline", max_new_tokens=30, do_sample=False, pad_token_id=0)
+    msgs = [str(w.message) for w in caught if "effectively disabled" in str(w.message)]
+    assert len(msgs) == 1 and "budget is 1" in msgs[0]

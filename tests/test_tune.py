@@ -1,0 +1,48 @@
+"""`hf-ssd doctor` explains the measured costs; `hf-ssd tune` writes the fastest plan as a config that a later
+generate(..., ssd=True) picks up from the model directory."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from hf_ssd.config import SSDConfig
+from hf_ssd.control.controller import Controller, Memory
+from hf_ssd.control.costs import Costs, Line
+from hf_ssd.control.explain import diagnose, largest_hidden_budget
+from hf_ssd.testing import plain_generate, tiny_pair
+from hf_ssd.tools.cli import main
+
+
+def test_doctor_sentences_from_injected_costs():
+    verify, draft = Line(0.100, 0.002), Line(0.010, 0.001)
+    costs = Costs(1, verify, draft, verify, draft, (1, 1), Line(0.004, 0.0005), Line(0.004, 0.0005))
+    # tree(N) = draft(5) + 4 * draft(N) = 0.055 + 0.004 N <= verify(5) = 0.11  ->  N <= 13; tree(32) = 0.183 s
+    assert largest_hidden_budget(costs, 4, split=True) == 13
+    text = "\n".join(diagnose(costs, Controller(costs, Memory(), 1, {}, fixed_alpha=0.8)))
+    assert "A tree of 32 branches costs 1.66 verifies here: budget 13" in text
+    assert "int8 copy of the draft" in text and "cores split 1+1" in text
+    assert "Choice: ssd" in text
+
+
+def test_doctor_runs_on_a_tiny_pair(capsys):
+    assert main(["doctor", "--tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "A tree of 32 branches costs" in out and "Choice:" in out
+
+
+def test_tune_writes_a_config_that_generate_picks_up(tmp_path):
+    assert main(["tune", "--tiny", "--out", str(tmp_path), "--modes", "sync,ssd", "--prompts", "1",
+                 "--max-new-tokens", "8", "--repeats", "1", "--top", "1"]) == 0
+    table = json.loads((tmp_path / "ssd_tune.json").read_text())
+    assert len(table["tried"]) == 2 and table["prompt_set"] == "humaneval"
+    tuned = SSDConfig.from_pretrained(tmp_path)
+    assert tuned.to_dict() == table["tried"][0]["options"]  # the fastest one
+    target, draft, _ = tiny_pair()
+    target.config._name_or_path = str(tmp_path)  # as if loaded from that directory
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    out = target.generate(ids, assistant_model=draft, ssd=True, max_new_tokens=12, do_sample=False,
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain_generate(target, ids, max_new_tokens=12,
+                                                     pad_token_id=target.generation_config.pad_token_id))
+    assert out.ssd_stats["mode"] == tuned.mode and out.ssd_stats["controller"] is None  # nothing left to choose
