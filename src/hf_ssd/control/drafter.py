@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from hf_ssd.control.controller import Controller, Ema, Memory
+from hf_ssd.control.controller import Controller, Decision, Ema, Memory
 from hf_ssd.control.plan import Plan
 from hf_ssd.core.types import DraftResult, Speculation, Verdict
 from hf_ssd.draft.protocol import Drafter
@@ -23,7 +23,7 @@ DECIDE_EVERY = 8  # rounds between re-decisions
 class ControlledDrafter(Drafter):
     def __init__(self, controller: Controller, build: Callable[[Plan], Drafter], stats: SSDStats):
         self.controller, self.build, self.stats = controller, build, stats
-        decision = controller.decide()
+        decision = agreed(controller.decide())
         self.plan = decision.plan
         self.record = {"choice": self.plan.label, "reason": decision.reason, "switches": [],
                        "predicted": [_row(p) for p in decision.table], "probe_s": round(controller.costs.probe_s, 4)}
@@ -59,7 +59,7 @@ class ControlledDrafter(Drafter):
         self._observe(verdict, now)
         self.rounds += 1
         if self.rounds % DECIDE_EVERY == 0:
-            decision = self.controller.decide(self.plan)
+            decision = agreed(self.controller.decide(self.plan))
             if decision.plan != self.plan:
                 return self._switch(decision, verdict)
         result = self.current.resolve(verdict)
@@ -100,6 +100,18 @@ class ControlledDrafter(Drafter):
 
     def _apply_threads(self) -> None:
         torch.set_num_threads(self.plan.threads[0] if self.plan.threads is not None else self.caller_threads)
+
+
+def agreed(decision: Decision) -> Decision:
+    """Under torch.distributed (a tensor-parallel target), every rank takes rank 0's decision: the ranks verify
+    together, so their plans (K above all) must match, and their timings never do exactly."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return decision
+    box = [decision if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _row(pred) -> dict:
