@@ -47,7 +47,8 @@ def test_default_pair_greedy_identical():
     target, draft, tok = assets.load_default_pair()
     enc = tok("def fibonacci(n):", return_tensors="pt")
     ref = target.generate(**enc, max_new_tokens=12, do_sample=False)
-    out = target.generate(**enc, max_new_tokens=12, do_sample=False, assistant_model=draft, ssd=True, ssd_budget=6,
+    out = target.generate(**enc, max_new_tokens=12, do_sample=False, assistant_model=draft, ssd=True, ssd_mode="ssd",
+                          ssd_num_draft_tokens=4, ssd_budget=6, ssd_draft_quantize=None,
                           return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
     assert out.ssd_stats["mean_accepted"] > 1.0

@@ -50,6 +50,7 @@ class Costs:
     draft_int8_all: Line | None = None
     draft_int8_split: Line | None = None
     probe_s: float = 0.0  # what measuring cost
+    overlap: float = 1.0  # how much of the shorter side hides when both sides run in two threads (1 all, 0 none)
 
     def draft(self, split: bool, int8: bool) -> Line:
         if int8 and self.draft_int8_all is not None:
@@ -60,7 +61,7 @@ class Costs:
         return self.target_split if split else self.target_all
 
 
-def time_forward(model: PreTrainedModel, batch: int, n: int, prefix: int = 32, repeats: int = 2) -> float:
+def time_forward(model: PreTrainedModel, batch: int, n: int, prefix: int = 8, repeats: int = 2) -> float:
     """Best-of-`repeats` seconds of one forward of `n` new tokens per row after a cached `prefix`."""
     device = input_device(model)
     vocab = model.config.get_text_config().vocab_size
@@ -95,6 +96,59 @@ def measure_line(model: PreTrainedModel, batch: int, n_max: int, threads: int | 
         return Line.through(1, t1, n_max, time_forward(model, batch, n_max, repeats=repeats))
     finally:
         torch.set_num_threads(before)
+
+
+def _forwards(model: PreTrainedModel, batch: int, n: int, repeats: int, threads: int | None, ready, out: dict,
+              key: str) -> None:
+    """`repeats` forwards of n tokens per row after a short prefill; seconds from `ready` to the last one."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    device = input_device(model)
+    ids = torch.randint(0, model.config.get_text_config().vocab_size, (batch, 8 + n), device=device)
+    cache, kw = DynamicCache(), cache_argument(model)
+    with torch.no_grad():
+        model(input_ids=ids[:, :8], use_cache=True, **{kw: cache})
+        ready.wait()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            model(input_ids=ids[:, 8:], use_cache=True, **{kw: cache})
+            cache.crop(-n)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    out[key] = time.perf_counter() - start
+
+
+def measure_overlap(target: PreTrainedModel, draft: PreTrainedModel, batch: int, split: tuple[int, int] | None,
+                    n_verify: int = 5, n_tree: int = 8, repeats: int = 3) -> float:
+    """Overlap efficiency of the thread worker: the target's verifies in this thread while the draft's tree steps
+    run in another, against each alone. Python work holds the GIL, so small or launch-bound models overlap less
+    than their forwards' times suggest; 1 = the shorter side hides entirely, 0 = the two run one after the other."""
+    import threading
+
+    def run(both: bool) -> dict:
+        out: dict = {}
+        ready = threading.Barrier(2 if both else 1)
+        t, d = split if split is not None else (None, None)
+        worker = threading.Thread(target=_forwards, args=(draft, batch, n_tree, repeats, d, ready, out, "d"))
+        if both:
+            worker.start()
+        _forwards(target, batch, n_verify, repeats, t, ready, out, "t")
+        if both:
+            worker.join()
+        else:
+            worker.run()  # alone, after the target (a Barrier of 1 passes at once)
+        return out
+
+    before = torch.get_num_threads()
+    try:
+        alone, together = run(False), run(True)
+    finally:
+        torch.set_num_threads(before)
+    short, long_ = sorted((alone["t"], alone["d"]))
+    wall = max(together["t"], together["d"])
+    if short <= 0:
+        return 1.0
+    return min(1.0, max(0.0, (short + long_ - wall) / short))
 
 
 def core_split(cores: int, target_threads: int) -> tuple[int, int] | None:
@@ -136,6 +190,7 @@ def measure_costs(target: PreTrainedModel, draft: PreTrainedModel, batch: int, *
         q = quantized_draft(draft, "int8")
         q_all = measure_line(q, batch, n_max, all_threads)
         q_split = q_all if split is None else measure_line(q, batch, n_max, split[1])
-    costs = Costs(batch, t_all, d_all, t_split, d_split, split, q_all, q_split, time.perf_counter() - start)
+    overlap = measure_overlap(target, draft, batch, split)
+    costs = Costs(batch, t_all, d_all, t_split, d_split, split, q_all, q_split, time.perf_counter() - start, overlap)
     _MEASURED[key] = costs
     return costs

@@ -37,6 +37,8 @@ def diagnose(costs: Costs, controller: Controller, K: int = 4) -> list[str]:
                      f"{costs.target(True)(K + 1) * 1e3:.1f} ms instead of {t_all(K + 1) * 1e3:.1f} ms.")
     else:
         lines.append("There is no spare core (or a GPU shares one device): the draft's tree competes with the verify.")
+    lines.append(f"Run in two threads, {costs.overlap:.0%} of the shorter side hides under the longer one (Python work "
+                 "holds the GIL; small, launch-bound models overlap least).")
     draft = costs.draft(split, False)
     tree32 = draft(K + 1) + K * draft(32)
     hidden = largest_hidden_budget(costs, K, split)

@@ -96,7 +96,9 @@ def predict(plan: Plan, costs: Costs, acc: Acceptance, batch: int, overhead_s: f
     p_hit = expected_hit_rate(fanout, acc.alpha, acc.r, top1_miss=acc.top1_miss)
     e_miss = e if acc.alpha_backup is None else expected_tokens_per_round(acc.alpha_backup, K)
     all_hit = p_hit**batch
-    base = max(verify, tree) if concurrent else verify + tree
+    # beside the verify, the tree hides as far as the two really overlap (a thread shares the GIL; measured)
+    overlap = costs.overlap if plan.worker == "thread" else 1.0
+    base = max(verify, tree) + (1.0 - overlap) * min(verify, tree) if concurrent else verify + tree
     round_s = base + (1.0 - all_hit) * backup + overhead_s
     tokens = batch * (p_hit * e + (1.0 - p_hit) * e_miss)
     return Prediction(plan, tokens, round_s, p_hit, parts={"verify": verify, "tree": tree, "backup": backup})
