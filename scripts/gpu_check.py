@@ -325,7 +325,7 @@ SYNC_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__
 @contextmanager
 def no_sync_allowed(device: str, calls: list):
     """CUDA: torch.cuda.set_sync_debug_mode("error") (any device->host sync raises). CPU (dry run): count
-    Python-level host reads of tensors, as tests/test_static_draft.py does."""
+    Python-level host reads of tensors, as tests/draft/test_static_draft.py does."""
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -360,7 +360,8 @@ def sync_case(device: str, draft, greedy: bool, compiled: bool, rounds: int, war
     from hf_ssd.config import SSDConfig
     from hf_ssd.core.types import Outcome, Verdict
     from hf_ssd.draft.model import DraftModel
-    from hf_ssd.draft.static_saguaro import StaticSaguaroDrafter, tree_width
+    from hf_ssd.core.tree import tree_width
+    from hf_ssd.draft.static_saguaro import StaticSaguaroDrafter
     from hf_ssd.runtime.static_kv import StaticCachedModel, static_cache_len
     from hf_ssd.runtime.stats import SSDStats
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import struct
 import warnings
 
 import pytest
@@ -249,3 +250,154 @@ def test_keyboard_interrupt_stops_cleanly(pair, worker):
     out = target.generate(prompts, attention_mask=mask, max_new_tokens=8, do_sample=False, assistant_model=draft,
                           **SSD, ssd_worker=worker, ssd_budget=6)
     assert torch.equal(out, ref)
+
+
+# ---- the process worker's per-round hand-over: fixed shared buffers, small messages ---------------------------------
+def _tensors_in(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return 1
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensors_in(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(_tensors_in(o) for o in obj.values())
+    return 0
+
+
+class RecordingConn:
+    """The parent's end of the pipe, recording every request and answer."""
+
+    def __init__(self, conn):
+        self.conn, self.sent, self.received = conn, [], []
+
+    def send(self, msg):
+        self.sent.append(msg)
+        return self.conn.send(msg)
+
+    def recv(self):
+        msg = self.conn.recv()
+        self.received.append(msg)
+        return msg
+
+    def __getattr__(self, name):
+        return getattr(self.conn, name)
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_process_rounds_send_no_tensors(pair, monkeypatch, sample):
+    """After a generation's start, begin/resolve put only small control messages on the pipe: the speculations,
+    outcomes, contexts and q travel through the buffers allocated once per generation. A tiny context capacity
+    makes the contexts buffer grow (sent again, once per growth); the n-gram backup reads the contexts from it."""
+    import pickle
+
+    from hf_ssd.workers import process as process_module
+
+    target, draft, prompts, mask = pair
+    monkeypatch.setattr(process_module, "CONTEXT_CAPACITY", 4)
+    kw = dict(attention_mask=mask, max_new_tokens=24, do_sample=sample, assistant_model=draft, **SSD, ssd_budget=6,
+              ssd_backup="ngram", return_dict_in_generate=True)
+    if sample:
+        kw.update(temperature=0.9, ssd_downweight=0.5)
+    seeded = (lambda: dict(generator=torch.Generator().manual_seed(7))) if sample else dict
+    inline = target.generate(prompts, ssd_worker="inline", **seeded(), **kw)
+    with hf_ssd.DraftProcess(draft) as worker:
+        real = worker.conn
+        worker.conn = RecordingConn(real)
+        try:
+            out = target.generate(prompts, ssd_worker=worker, **seeded(), **kw)
+        finally:
+            sent, received, worker.conn = worker.conn.sent, worker.conn.received, real
+    assert torch.equal(out.sequences, inline.sequences)
+    for key in ("rounds", "accept_hist", "cache_hits", "cache_lookups", "backup_rounds"):
+        assert out.ssd_stats[key] == inline.ssd_stats[key], key
+    commands = [m[1] for m in sent]
+    assert commands.count("exchange") == 1 and commands.count("start") == 1
+    assert commands.count("resolve") == out.ssd_stats["rounds"] - 1 and commands.count("begin") == out.ssd_stats["rounds"]
+    assert 1 <= commands.count("contexts") <= 3  # 18 -> 36 slots: the longest row reaches 9 + 24 + K tokens
+    with_tensors = {m[1] for m in sent if _tensors_in(m)}
+    assert with_tensors <= {"setup", "start", "exchange", "contexts"}, with_tensors
+    per_round = [m for m in sent if m[1] in ("begin", "resolve")]
+    assert max(len(pickle.dumps(m)) for m in per_round) < 100
+    answers = {m[0]: m for m in received}
+    resolves = [answers[m[0]] for m in sent if m[1] == "resolve"]
+    assert len(resolves) == commands.count("resolve")
+    assert all(_tensors_in(a) == 0 for a in resolves)
+    assert max(len(pickle.dumps(a)) for a in resolves) < 2000
+    no_leaks()
+
+
+@pytest.mark.parametrize("worker", WORKERS)
+def test_handover_in_phase_means(pair, worker):
+    """The process and thread workers report how much of resolve was the hand-over; inline has none."""
+    target, draft, prompts, mask = pair
+    out = target.generate(prompts, attention_mask=mask, max_new_tokens=12, do_sample=False, assistant_model=draft,
+                          **SSD, ssd_worker=worker, ssd_budget=6, return_dict_in_generate=True)
+    phases = out.ssd_stats["phase_means_s"]
+    if worker == "inline":
+        assert "handover" not in phases
+    else:
+        assert 0.0 <= phases["handover"] <= phases["resolve"] + 1e-3
+    no_leaks()
+
+
+def _open_fds(pid: int | str = "self") -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/<pid>/fd")
+def test_kept_process_fds_flat_over_generations(pair):
+    """The per-generation buffers are freed with the generation, in the parent and in the child."""
+    target, draft, prompts, mask = pair
+
+    def generation(i: int) -> None:
+        batch = 1 + i % 3
+        kw = dict(do_sample=True, temperature=0.9, generator=torch.Generator().manual_seed(i)) if i % 2 else {}
+        target.generate(prompts[:batch], attention_mask=mask[:batch], max_new_tokens=8, assistant_model=draft,
+                        **SSD, ssd_worker=worker, ssd_budget=6, **kw)
+
+    with hf_ssd.DraftProcess(draft) as worker:
+        for i in range(4):
+            generation(i)
+        parent, child = _open_fds(), _open_fds(worker.process.pid)
+        for i in range(50):
+            generation(i)
+        assert _open_fds() <= parent + 2
+        assert _open_fds(worker.process.pid) <= child + 2
+    no_leaks()
+
+
+class CutAtBegin(RecordingConn):
+    """Ctrl-C in the middle of writing the first `begin` (the pipe is left mid-message: the next generation
+    restarts the child)."""
+
+    def send(self, msg):
+        if msg[1] == "begin":
+            self.conn._send(struct.pack("!i", 4096) + b"\x80\x05partial")
+            raise KeyboardInterrupt
+        return super().send(msg)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/<pid>/fd")
+def test_restart_right_after_the_exchange_leaks_no_fds(pair):
+    """The buffers travel as file descriptors the child fetches while unpickling; the exchange is answered, so a
+    child restarted right after it (here: a request cut mid-write) has fetched them all: none is left behind in
+    the parent (an unanswered exchange leaked them, and the parent printed ConnectionResetError)."""
+    target, draft, prompts, mask = pair
+    ids, m = prompts[:2], mask[:2]
+    ref = target.generate(ids, attention_mask=m, max_new_tokens=8, do_sample=False)
+    with hf_ssd.DraftProcess(draft) as worker:
+        before = _open_fds()
+        for _ in range(3):
+            real = worker.conn
+            worker.conn = CutAtBegin(real)
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    target.generate(ids, attention_mask=m, max_new_tokens=8, do_sample=True, assistant_model=draft,
+                                    **SSD, ssd_worker=worker, ssd_budget=6)
+            finally:
+                worker.conn = real
+            out = target.generate(ids, attention_mask=m, max_new_tokens=8, do_sample=False, assistant_model=draft,
+                                  **SSD, ssd_worker=worker, ssd_budget=6)  # restarts the child first
+            assert torch.equal(out, ref)
+        assert worker.restarts == 3
+        assert _open_fds() <= before + 1
+    no_leaks()

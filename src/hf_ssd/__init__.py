@@ -5,7 +5,7 @@ Importing hf_ssd enables `model.generate(..., assistant_model=draft, ssd=True)` 
 """
 from hf_ssd.config import SSDConfig
 from hf_ssd.hf.generate import SSDGenerateOutput, disable, enable, is_enabled, last_stats
-from hf_ssd.runtime.warmup import warmup
+from hf_ssd.warmup import warmup
 from hf_ssd.workers.process import DraftProcess
 
 __all__ = ["DraftProcess", "SSDConfig", "SSDGenerateOutput", "enable", "disable", "is_enabled", "last_stats", "warmup"]

@@ -52,6 +52,16 @@ def fork(
     return Forks(place(top.reshape(B, -1), 0), place(depth, 0), place(chosen, False))
 
 
+def tree_width(config, K: int, budget: int, vocab_size: int) -> int:
+    """N: branches per row in every tree step. The budget (as SaguaroDrafter clamps it), or more if an explicit
+    fan-out list asks for more (a row never has more branches than the sum of its schedule)."""
+    n = max(1, min(budget, (K + 1) * (vocab_size - 1) + 1))
+    for fixed in (config.fanout, config.fanout_after_miss):
+        if fixed is not None:
+            n = max(n, sum(fixed))
+    return n
+
+
 def tree_attend(past_valid: torch.Tensor, glue_valid: torch.Tensor, forks: Forks, step: int) -> torch.Tensor:
     """[B, N, L0 + (K+1) + step*N] bool mask of tree step `step` (1-based): committed prefix, glue slots up to the
     branch's depth, and the branch's own slots in steps 1..step."""

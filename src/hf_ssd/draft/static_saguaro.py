@@ -17,22 +17,12 @@ import torch
 
 from hf_ssd.config import SSDConfig
 from hf_ssd.core.sampling import BAD_PROBS, sample, saguaro_probs
-from hf_ssd.core.tree import fork
+from hf_ssd.core.tree import fork, tree_width
 from hf_ssd.core.types import SOURCE_CACHE, DraftResult, Speculation, Verdict
 from hf_ssd.draft.model import DraftModel
 from hf_ssd.draft.saguaro import SaguaroDrafter, SpeculationCache
 from hf_ssd.runtime.static_kv import SlotAttend
 from hf_ssd.runtime.stats import SSDStats
-
-
-def tree_width(config: SSDConfig, K: int, budget: int, vocab_size: int) -> int:
-    """N: branches per row in every tree step. The budget (as SaguaroDrafter clamps it), or more if an explicit
-    fan-out list asks for more (a row never has more branches than the sum of its schedule)."""
-    n = max(1, min(budget, (K + 1) * (vocab_size - 1) + 1))
-    for fixed in (config.fanout, config.fanout_after_miss):
-        if fixed is not None:
-            n = max(n, sum(fixed))
-    return n
 
 
 class StaticSaguaroDrafter(SaguaroDrafter):

@@ -40,6 +40,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, StaticLayer
 
+from hf_ssd.core.tree import tree_width
 from hf_ssd.runtime.kv import attention_layout, cache_argument, input_device, position_limit
 
 COMPILE_ENABLED = True  # False: the static path runs eagerly even when compile is asked for (debugging, tests)
@@ -453,8 +454,6 @@ def static_draft_cache(model: PreTrainedModel, config, batch: int, max_length: i
                        vocab_size: int, worker=None) -> StaticCachedModel | None:
     """The draft cache `config.compile` asks for: a StaticCachedModel (compiled or not), or None for the dynamic
     `CachedModel` (compile off, the process worker, offloaded models, absurd lengths, unsupported models)."""
-    from hf_ssd.draft.static_saguaro import tree_width
-
     mode = getattr(config, "compile", False)
     if mode is False or config.worker == "process" or worker is not None:
         return None

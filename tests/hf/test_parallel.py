@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 import hf_ssd  # noqa: F401
 from hf_ssd.testing import shallow_copy, tiny_llama
 
-SCRIPT = Path(__file__).parent / "scripts" / "tp_generate.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "tp_generate.py"
 
 
 @pytest.fixture(scope="module")

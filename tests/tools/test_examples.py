@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 NAMES = ["basic", "streaming", "batch", "sampling_saguaro", "tensor_parallel", "saved_config", "benchmark"]
 
 
