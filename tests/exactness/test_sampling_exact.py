@@ -245,3 +245,27 @@ def test_check_detects_one_percent_bias(models):
     accepted_true = sum(p_value([(rng.multinomial(N, probs), probs)]) >= ALPHA for _ in range(20))
     assert rejected >= 16, rejected
     assert accepted_true >= 19, accepted_true
+
+
+def test_distribution_exact_while_the_controller_switches_plans_every_round(models, monkeypatch):
+    """ssd=True with no options: the controller may change plan between any two rounds (SSD, sync SD, plain steps,
+    other K); each switch restarts the draft on the committed tokens. The output law stays the target's."""
+    from hf_ssd.control import controller as ctl_mod
+    from hf_ssd.control import drafter as drafter_mod
+    from hf_ssd.control.plan import Plan
+
+    plans = [Plan("ssd", 1, 4, "inline"), Plan("sync", 2), Plan("plain"), Plan("ssd", 2, 4, "inline")]
+    seen = []
+
+    def decide(self, current=None):
+        plan = plans[0] if current is None else plans[(plans.index(current) + 1) % len(plans)]
+        seen.append(plan)
+        return ctl_mod.Decision(plan, "test: rotate", [])
+
+    monkeypatch.setattr(ctl_mod.Controller, "decide", decide)
+    monkeypatch.setattr(drafter_mod, "DECIDE_EVERY", 1)
+    target, draft = models
+    counts, s = run_ssd(target, draft, [PROMPT_A], seed=29, warp=dict(temperature=0.9), ssd_budget=None)
+    pv = p_value([(counts[0], exact_distribution(target, PROMPT_A, warpers(temperature=0.9)))])
+    assert pv > ALPHA, (pv, s)
+    assert len(s["controller"]["switches"]) >= 2 and {p.mode for p in seen} == {"ssd", "sync", "plain"}
