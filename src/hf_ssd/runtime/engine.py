@@ -158,6 +158,7 @@ class Engine:
     def _record_draft(self, kept: list[int], result: DraftResult, record: RoundRecord) -> None:
         if result.draft_span is not None:
             record.draft_start, record.draft_end = result.draft_span
+        record.handover_s = result.handover_s
         if result.hits is None:
             return
         hits = result.hits.tolist()

@@ -21,6 +21,7 @@ class RoundRecord:
     hits: int = 0
     lookups: int = 0
     backup: str | None = None
+    handover_s: float | None = None  # resolve's time spent moving data to and from a worker (None: inline)
 
 
 @dataclass
@@ -76,7 +77,8 @@ class SSDStats:
 
     def phase_means(self) -> dict[str, float]:
         """Mean seconds per round of verify, draft (tree/JIT), resolve (commit + handshake + backup), host (the
-        engine's own work: commit, cache bookkeeping), and the whole round."""
+        engine's own work: commit, cache bookkeeping), and the whole round; with a thread or process worker also
+        handover (the part of resolve spent moving data to and from the worker, not computing)."""
         recs = self.timeline
         if not recs:
             return {}
@@ -88,6 +90,9 @@ class SSDStats:
         out["draft"] = mean([r.draft_end - r.draft_start for r in recs if r.draft_start is not None and r.draft_end])
         out["resolve"] = mean([r.resolve_end - r.verify_end for r in recs if r.resolve_end is not None])
         out["host"] = mean([r.resolve_start - r.verify_end for r in recs if r.resolve_start is not None])
+        handover = [r.handover_s for r in recs if r.handover_s is not None]
+        if handover:
+            out["handover"] = mean(handover)
         starts = [r.verify_start for r in recs]
         out["round"] = mean([b - a for a, b in zip(starts, starts[1:])])
         return out

@@ -22,27 +22,173 @@ interrupted call (Ctrl-C while waiting) is drained, never taken for the answer t
 interrupted while it was being written leaves the pipe unusable, and the process is restarted at the next
 generation. The child ignores SIGINT (a Ctrl-C reaches the whole process group): the parent decides. One
 generation at a time uses a DraftProcess: a second thread waits for the first one's generation to end.
+
+The per-round hand-over goes through fixed shared memory (`Exchange`): once per generation, after `start`, the
+parent allocates a few shared CPU tensors sized for the batch and sends them to the child; from then on `begin`
+and `resolve` only write into them and put a small control message on the pipe (command, sequence number, row
+counts, a few numbers). No tensor, file descriptor or shared-memory segment is created per round.
 """
 from __future__ import annotations
 
+import math
 import signal
 import threading
 import time
 import traceback
 
+import numpy as np
 import torch
 import torch.multiprocessing as mp
 
 from hf_ssd.config import SSDConfig
 from hf_ssd.draft.model import DraftModel
 from hf_ssd.draft.quant import quantized_draft, unquantized
-from hf_ssd.core.types import DraftResult, Speculation, Verdict
+from hf_ssd.core.types import DraftResult, Outcome, Speculation, Verdict
 from hf_ssd.draft.protocol import Drafter
 from hf_ssd.runtime.stats import SSDStats
+
+# Requests the child does not answer (the parent does not wait for them). Requests that carry tensors are all
+# answered: a tensor travels as a file descriptor the child fetches from the parent while unpickling, and a child
+# ended (restarted) before fetching it would leave the parent holding that descriptor.
+UNANSWERED = ("begin",)
+CONTEXT_CAPACITY = 256  # initial tokens per row of the shared contexts buffer (twice the prompt if longer)
 
 # Stats the child's drafter maintains and the parent reports.
 SHARED_STATS = ("cache_lookups", "cache_hits", "backup_rounds", "fanout_after_hit", "fanout_after_miss", "budget",
                 "alpha", "power_r", "backup_threshold")
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[...] = src, single-threaded for CPU tensors: at these sizes (q is B*K*V floats) a parallel copy's thread
+    wake-ups cost more than the copy, and much more on a loaded machine."""
+    if src.shape != dst.shape:
+        raise RuntimeError(f"hand-over shape {tuple(src.shape)} does not fit the buffer {tuple(dst.shape)}")
+    if src.device.type == "cpu" and src.dtype == dst.dtype and src.dtype in _NUMPY_DTYPES:
+        np.copyto(dst.numpy(), src.detach().numpy())
+    else:
+        dst.copy_(src)
+
+
+def _copy_out(view: torch.Tensor) -> torch.Tensor:
+    """A private copy of a buffer view (single-threaded, see _copy_into)."""
+    if view.dtype in _NUMPY_DTYPES:
+        return torch.from_numpy(view.numpy().copy())
+    return view.clone()
+
+
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16, torch.long, torch.int32, torch.bool)
+
+
+class Exchange:
+    """The per-round hand-over between parent and child: fixed shared-memory CPU tensors, allocated by the parent
+    once per generation and sent to the child once; both sides address them through the same views.
+
+    B rows (the generation's batch; rows shrink as they finish: a round uses the first B' rows), K draft slots,
+    V vocabulary, C context capacity (grown, and sent again, when a context outgrows it).
+
+    - begin (parent writes): tokens_in [B, K], n_in [B], source_in [B]. The speculation's q is not sent: the draft
+      side only needs which tokens are being verified (the verifier, in the parent, needs q);
+    - resolve (parent writes): accepted [B], bonus [B], keep [B], contexts [B, C] + lengths [B] (the n-gram
+      backup reads the committed tokens; the prompt masks serve only a restart, which runs in the parent's chain);
+    - result (child writes): tokens_out [B, K], n_out [B], source_out [B], q_out [B, K, V] (sampling only),
+      hits [B].
+    """
+
+    INTS = ("tokens_in", "n_in", "source_in", "accepted", "bonus", "lengths", "tokens_out", "n_out", "source_out")
+    FLAGS = ("keep", "hits")
+
+    def __init__(self, B: int, K: int, V: int, q_dtype: torch.dtype | None, capacity: int,
+                 tensors: tuple | None = None):
+        self.B, self.K, self.V = B, K, V
+        if tensors is None:  # the parent allocates
+            ints = torch.zeros(sum(math.prod(s) for s in self._int_shapes()), dtype=torch.long).share_memory_()
+            flags = torch.zeros(2 * B, dtype=torch.bool).share_memory_()
+            q = None if q_dtype is None else torch.zeros(B, K, V, dtype=q_dtype).share_memory_()
+            contexts = torch.zeros(B, capacity, dtype=torch.long).share_memory_()
+            tensors = (ints, flags, q, contexts)
+        self.tensors = tensors
+        ints, flags, self.q_out, self.contexts = tensors
+        at = 0
+        for name, shape in zip(self.INTS, self._int_shapes()):
+            size = math.prod(shape)
+            setattr(self, name, ints[at: at + size].view(shape))
+            at += size
+        self.keep, self.hits = flags[:B], flags[B:]
+
+    def _int_shapes(self) -> list[tuple[int, ...]]:
+        B, K = self.B, self.K
+        return [(B, K) if name.startswith("tokens") else (B,) for name in self.INTS]
+
+    def message(self) -> tuple:
+        """What the child needs to attach to the same memory (sent once, pickled through shared memory)."""
+        return self.B, self.K, self.V, self.tensors
+
+    @classmethod
+    def attach(cls, B: int, K: int, V: int, tensors: tuple) -> Exchange:
+        return cls(B, K, V, None, 0, tensors)
+
+    @property
+    def capacity(self) -> int:
+        return self.contexts.shape[1]
+
+    def grow(self, needed: int) -> torch.Tensor:
+        """A larger shared contexts buffer (the caller sends it to the child)."""
+        self.contexts = torch.zeros(self.B, max(needed, 2 * self.capacity), dtype=torch.long).share_memory_()
+        self.tensors = (*self.tensors[:3], self.contexts)
+        return self.contexts
+
+    # ---- parent -> child ----------------------------------------------------------------------------------------
+    def write_spec(self, spec: Speculation) -> int:
+        B = spec.tokens.shape[0]
+        _copy_into(self.tokens_in[:B], spec.tokens)
+        _copy_into(self.n_in[:B], spec.n)
+        _copy_into(self.source_in[:B], spec.source)
+        return B
+
+    def read_spec(self, B: int) -> Speculation:
+        # copies: the drafter keeps the speculation until resolve, and the buffers are the next round's
+        return Speculation(_copy_out(self.tokens_in[:B]), _copy_out(self.n_in[:B]), None,
+                           _copy_out(self.source_in[:B]))
+
+    def write_verdict(self, verdict: Verdict) -> tuple[int, int]:
+        B, kept = verdict.keep.shape[0], len(verdict.contexts)
+        _copy_into(self.accepted[:B], verdict.outcome.accepted)
+        _copy_into(self.bonus[:B], verdict.outcome.bonus)
+        _copy_into(self.keep[:B], verdict.keep)
+        lengths = [c.shape[0] for c in verdict.contexts]
+        for i, (c, n) in enumerate(zip(verdict.contexts, lengths)):
+            _copy_into(self.contexts[i, :n], c)
+        _copy_into(self.lengths[:kept], torch.tensor(lengths, dtype=torch.long))
+        return B, kept
+
+    def read_verdict(self, B: int, kept: int, verify_s: float) -> Verdict:
+        outcome = Outcome(_copy_out(self.accepted[:B]), _copy_out(self.bonus[:B]))
+        # contexts are views: the drafter reads them during resolve only (the n-gram backup)
+        contexts = [self.contexts[i, :n] for i, n in enumerate(self.lengths[:kept].tolist())]
+        return Verdict(outcome, _copy_out(self.keep[:B]), contexts, [], verify_s)
+
+    # ---- child -> parent ----------------------------------------------------------------------------------------
+    def write_result(self, result: DraftResult) -> tuple[int, bool, bool]:
+        spec = result.spec
+        rows = spec.tokens.shape[0]
+        if spec.tokens.shape[1:] != (self.K,):
+            raise RuntimeError(f"speculation of shape {tuple(spec.tokens.shape)} does not fit K={self.K}")
+        _copy_into(self.tokens_out[:rows], spec.tokens)
+        _copy_into(self.n_out[:rows], spec.n)
+        _copy_into(self.source_out[:rows], spec.source)
+        if spec.q is not None:
+            if self.q_out is None or spec.q.dtype != self.q_out.dtype or spec.q.shape[1:] != self.q_out.shape[1:]:
+                raise RuntimeError(f"q of {spec.q.dtype} {tuple(spec.q.shape)} does not fit the exchange buffer")
+            _copy_into(self.q_out[:rows], spec.q)
+        if result.hits is not None:
+            _copy_into(self.hits[:rows], result.hits)
+        return rows, spec.q is not None, result.hits is not None
+
+    def read_result(self, rows: int, has_q: bool, has_hits: bool) -> tuple[Speculation, torch.Tensor | None]:
+        # copies: the next round overwrites the buffers
+        spec = Speculation(_copy_out(self.tokens_out[:rows]), _copy_out(self.n_out[:rows]),
+                           _copy_out(self.q_out[:rows]) if has_q else None, _copy_out(self.source_out[:rows]))
+        return spec, _copy_out(self.hits[:rows]) if has_hits else None
 
 
 def _serve(conn, model, quantize) -> None:
@@ -53,8 +199,9 @@ def _serve(conn, model, quantize) -> None:
     torch.set_grad_enabled(False)
     model = quantized_draft(model, quantize)
     conn.send((0, "ok", "ready"))
-    drafter = draft = stats = None
+    drafter = draft = stats = exchange = None
     failed: str | None = None
+    begin_end: float | None = None  # when the current round's `begin` finished (perf_counter)
     while True:
         try:
             seq, cmd, *args = conn.recv()
@@ -72,7 +219,7 @@ def _serve(conn, model, quantize) -> None:
                 if rng_state is not None:  # continue the parent's draft RNG stream: same samples as inline
                     generator = torch.Generator()
                     generator.set_state(rng_state)
-                drafter = draft = stats = None
+                drafter = draft = stats = exchange = None
                 failed = None
                 draft = DraftModel(model, 0, vocab, warpers, greedy, downweight, generator)
                 stats = SSDStats()
@@ -81,7 +228,7 @@ def _serve(conn, model, quantize) -> None:
                 conn.send((seq, "ok", None))
                 continue
             if cmd == "release":
-                drafter = draft = stats = None
+                drafter = draft = stats = exchange = None
                 failed = None
                 conn.send((seq, "ok", None))
                 continue
@@ -89,19 +236,36 @@ def _serve(conn, model, quantize) -> None:
                 raise RuntimeError(failed)
             if drafter is None:
                 raise RuntimeError(f"`{cmd}` arrived outside a generation (no `setup` before it)")
-            if cmd == "start":
+            if cmd == "start":  # once per generation: pickled
+                exchange = None
                 conn.send((seq, "ok", drafter.start(*args)))
+            elif cmd == "exchange":  # the buffers of this generation's rounds
+                exchange = Exchange.attach(*args)
+                conn.send((seq, "ok", None))
+            elif cmd == "contexts":  # a grown contexts buffer
+                (exchange.contexts,) = args
+                conn.send((seq, "ok", None))
             elif cmd == "begin":
-                drafter.begin(*args)
+                (rows,) = args
+                begin_end = None
+                drafter.begin(exchange.read_spec(rows))
+                begin_end = time.perf_counter()
             elif cmd == "resolve":
-                result = drafter.resolve(*args)
+                rows, kept, verify_s = args
+                verdict = exchange.read_verdict(rows, kept, verify_s)
+                t0 = time.perf_counter()
+                result = drafter.resolve(verdict)
+                compute_s = time.perf_counter() - t0
+                shape = exchange.write_result(result)
                 info = {name: getattr(stats, name) for name in SHARED_STATS}
-                conn.send((seq, "ok", (result, info, drafter.forwards)))
+                conn.send((seq, "ok", (*shape, result.backup, result.draft_span, info, drafter.forwards, compute_s,
+                                       begin_end)))
+                begin_end = None
             else:
                 raise RuntimeError(f"unknown command {cmd!r}")
         except Exception:
             failed = traceback.format_exc(limit=3)
-            if cmd != "begin":  # begin is not answered; its failure is reported by the next call
+            if cmd not in UNANSWERED:  # their failure is reported by the next call
                 conn.send((seq, "error", failed))
 
 
@@ -285,6 +449,8 @@ class ProcessDrafter(Drafter):
                  process: DraftProcess | None = None):
         self.stats = stats
         self.remote_forwards = 0
+        self.vocab, self.greedy = draft.vocab_size, greedy
+        self.exchange: Exchange | None = None  # this generation's shared buffers (allocated at start)
         self.owned = process is None
         self.worker = DraftProcess(draft.kv.model) if process is None else process
         self.worker.acquire()  # one generation at a time; restarts a process an interrupted call left out of step
@@ -303,18 +469,46 @@ class ProcessDrafter(Drafter):
     def start(self, prompt: torch.Tensor, mask: torch.Tensor) -> Speculation:
         # Copies: sending a CPU tensor moves its storage to shared memory in place (one open file per tensor in
         # the file_descriptor strategy), and the caller's input_ids must not be turned into that.
-        return self.worker.call("start", prompt.cpu().clone(), mask.cpu().clone())
+        spec = self.worker.call("start", prompt.cpu().clone(), mask.cpu().clone())
+        # The rounds' buffers, sized for this batch, allocated and sent once (see Exchange).
+        q_dtype = None if self.greedy else (torch.float32 if spec.q is None else spec.q.dtype)
+        self.exchange = None
+        exchange = Exchange(prompt.shape[0], spec.tokens.shape[1], self.vocab, q_dtype,
+                            max(CONTEXT_CAPACITY, 2 * prompt.shape[1]))
+        self.worker.call("exchange", *exchange.message())
+        self.exchange = exchange
+        return spec
 
     def begin(self, spec: Speculation) -> None:
-        self.worker.send("begin", spec)
+        self.worker.send("begin", self.exchange.write_spec(spec))
 
     def resolve(self, verdict: Verdict) -> DraftResult:
-        result, info, self.remote_forwards = self.worker.call("resolve", verdict)
+        t0 = time.perf_counter()
+        exchange = self.exchange
+        longest = max(c.shape[0] for c in verdict.contexts)
+        if longest > exchange.capacity:  # not foreseen below (waits for the tree build: a call is answered in order)
+            self.worker.call("contexts", exchange.grow(longest))
+        rows, kept = exchange.write_verdict(verdict)
+        seq = self.worker.send("resolve", rows, kept, verdict.verify_s)
+        sent = time.perf_counter()
+        (out_rows, has_q, has_hits, backup, draft_span, info, self.remote_forwards, compute_s,
+         begin_end) = self.worker._answer("resolve", seq)
+        if out_rows != kept:
+            raise RuntimeError(f"the draft process returned {out_rows} rows for {kept} kept rows")
         for name in SHARED_STATS:
             setattr(self.stats, name, info[name])
-        return result
+        spec, hits = exchange.read_result(out_rows, has_q, has_hits)
+        if longest + exchange.K + 1 > exchange.capacity:
+            # Rare: the next round's contexts (at most K + 1 tokens longer) may not fit. Grow now, while the child
+            # is idle: the larger buffer is sent once, answered at once.
+            self.worker.call("contexts", exchange.grow(longest + exchange.K + 1))
+        # Hand-over: this call's wall time less the child's own resolve and any wait for its tree build to end.
+        waited = 0.0 if begin_end is None else max(0.0, begin_end - sent)
+        handover = max(0.0, time.perf_counter() - t0 - compute_s - waited)
+        return DraftResult(spec, hits=hits, backup=backup, draft_span=draft_span, handover_s=handover)
 
     def close(self) -> None:
+        self.exchange = None  # frees this generation's shared memory (and its file descriptors) in the parent
         try:
             if self.owned:
                 self.worker.close()

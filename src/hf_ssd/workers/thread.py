@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 import warnings
 
 import torch
@@ -63,7 +64,16 @@ class ThreadDrafter(Drafter):
         pending, self.pending = self.pending, None
         if pending is not None:
             self._sync(pending)
-        return self._sync(self.pool.submit(self._on_stream, self.inner.resolve, verdict))
+        t0 = time.perf_counter()
+        result, compute_s = self._sync(self.pool.submit(self._timed, self.inner.resolve, verdict))
+        # Hand-over: the hop to the worker thread and back (and the stream sync), not the resolve itself.
+        result.handover_s = max(0.0, time.perf_counter() - t0 - compute_s)
+        return result
+
+    def _timed(self, fn, *args):
+        t0 = time.perf_counter()
+        result = self._on_stream(fn, *args)
+        return result, time.perf_counter() - t0
 
     def close(self) -> None:
         pending, self.pending = self.pending, None
