@@ -36,7 +36,7 @@ from tqdm import tqdm
 from transformers import StoppingCriteriaList
 
 import hf_ssd
-from hf_ssd.testing import PAD, VOCAB, get_pair, plain_generate
+from hf_ssd.testing import PAD, VOCAB, InterruptOnCall, get_pair, plain_generate
 from hf_ssd.workers.process import ProcessDrafter
 from hf_ssd.workers.thread import live_worker_threads
 
@@ -83,17 +83,6 @@ def slope(xs: list[float], ys: list[float]) -> float:
 
 
 # ---- faults -----------------------------------------------------------------------------------------------------
-class InterruptOnCall:
-    def __init__(self, n: int):
-        self.n, self.calls = n, 0
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.calls += 1
-        if self.calls == self.n:
-            raise KeyboardInterrupt
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
-
-
 class ConnFaults:
     """The parent's end of the pipe, with a Ctrl-C on the n-th poll or in the middle of the n-th send."""
 

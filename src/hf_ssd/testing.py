@@ -214,6 +214,19 @@ def gen_tokens(out: torch.Tensor, prompt_len: int) -> list[list[int]]:
     return [row[prompt_len:].tolist() for row in out]
 
 
+class InterruptOnCall:
+    """A stopping criterion that raises KeyboardInterrupt on its n-th call (a user's Ctrl-C mid-generation)."""
+
+    def __init__(self, n: int):
+        self.n, self.calls = n, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        if self.calls == self.n:
+            raise KeyboardInterrupt
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
 # ---- toy tokenizers ----------------------------------------------------------------------------------------------
 def word_tokenizer(size: int = VOCAB, shift: int = 0) -> transformers.PreTrainedTokenizerFast:
     """Word level: id i is the word f"w{i + shift}" (words split on whitespace, decoded joined by spaces); pad = id 0,

@@ -25,7 +25,7 @@ from hf_ssd.config import MAX_BUDGET, SSDConfig
 from hf_ssd.draft.saguaro import SaguaroDrafter
 from hf_ssd.runtime import processing
 from hf_ssd.runtime.kv import position_limit
-from hf_ssd.testing import PAD, VOCAB, get_pair, noisy_copy, plain_generate, prompt
+from hf_ssd.testing import PAD, VOCAB, InterruptOnCall, get_pair, noisy_copy, plain_generate, prompt
 from hf_ssd.workers.thread import live_worker_threads
 
 # Every performance option set: a fixed plan (no start-up measurement), so the tests are quick and deterministic.
@@ -124,19 +124,6 @@ def test_sample_refuses_bad_probabilities():
 
 
 # ---- 2. Ctrl-C, kept DraftProcess, threads sharing one ------------------------------------------------------------
-class InterruptOnCall:
-    """A stopping criterion that raises KeyboardInterrupt on its n-th call (the user's Ctrl-C mid-generation)."""
-
-    def __init__(self, n: int):
-        self.n, self.calls = n, 0
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.calls += 1
-        if self.calls == self.n:
-            raise KeyboardInterrupt
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
-
-
 @pytest.fixture(scope="module")
 def kept(llm):
     with hf_ssd.DraftProcess(llm.related) as worker:
