@@ -14,8 +14,6 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
 TUNE_PROMPT_SET = "humaneval"
 
 

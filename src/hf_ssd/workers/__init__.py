@@ -29,6 +29,7 @@ def make_drafter(config: SSDConfig, draft: DraftModel, stats: SSDStats, budget: 
                  process=None) -> Drafter:
     """The Saguaro drafter on the worker the config asks for (`process`: a kept DraftProcess, if any)."""
     from hf_ssd.draft.saguaro import SaguaroDrafter
+    from hf_ssd.draft.static_saguaro import StaticSaguaroDrafter
 
     kind = config.worker if config.worker != "auto" else default_worker(draft.kv.device)
     stats.worker = kind
@@ -36,9 +37,9 @@ def make_drafter(config: SSDConfig, draft: DraftModel, stats: SSDStats, budget: 
         from hf_ssd.workers.process import ProcessDrafter
 
         return ProcessDrafter(draft, config, stats, budget, greedy, process)
-    if getattr(draft.kv, "static", False):  # a static (compilable) draft cache: runtime.static_kv
-        from hf_ssd.draft.static_saguaro import StaticSaguaroDrafter as SaguaroDrafter
-    inner = SaguaroDrafter(draft, config, stats, budget, greedy)
+    # a static (compilable) draft cache (runtime.static_kv) gets the sync-free, fixed-shape tree
+    drafter_class = StaticSaguaroDrafter if getattr(draft.kv, "static", False) else SaguaroDrafter
+    inner = drafter_class(draft, config, stats, budget, greedy)
     if kind == "thread":
         from hf_ssd.workers.thread import ThreadDrafter
 
