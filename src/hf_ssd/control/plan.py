@@ -75,17 +75,18 @@ class Prediction:
         return self.tokens_per_round / self.round_s if self.round_s > 0 else 0.0
 
 
-def predict(plan: Plan, costs: Costs, acc: Acceptance, batch: int, overhead_s: float = 0.0) -> Prediction:
-    """Predicted tokens per round and seconds per round of `plan` (overhead_s: the engine's own work per round)."""
+def predict(plan: Plan, costs: Costs, acc: Acceptance, batch: int) -> Prediction:
+    """Predicted tokens per round and seconds per round of `plan`. The engine's own work per round is not modelled:
+    the controller calibrates it away with measured round times."""
     if plan.mode == "plain":
         t = costs.target(False)(1)
-        return Prediction(plan, float(batch), t + overhead_s, parts={"target_step": t})
+        return Prediction(plan, float(batch), t, parts={"target_step": t})
     K = plan.K
     e = expected_tokens_per_round(min(max(acc.alpha, 0.0), 1.0), K)
     if plan.mode == "sync":
         draft = costs.draft(False, plan.int8)
         verify, drafting = costs.target(False)(K + 1), draft(2) + (K - 1) * draft(1)
-        return Prediction(plan, batch * e, verify + drafting + overhead_s, parts={"verify": verify, "draft": drafting})
+        return Prediction(plan, batch * e, verify + drafting, parts={"verify": verify, "draft": drafting})
     concurrent = plan.worker != "inline"
     split = concurrent and costs.split is not None
     draft = costs.draft(split, plan.int8)
@@ -99,7 +100,7 @@ def predict(plan: Plan, costs: Costs, acc: Acceptance, batch: int, overhead_s: f
     # beside the verify, the tree hides as far as the two really overlap (a thread shares the GIL; measured)
     overlap = costs.overlap if plan.worker == "thread" else 1.0
     base = max(verify, tree) + (1.0 - overlap) * min(verify, tree) if concurrent else verify + tree
-    round_s = base + (1.0 - all_hit) * backup + overhead_s
+    round_s = base + (1.0 - all_hit) * backup
     tokens = batch * (p_hit * e + (1.0 - p_hit) * e_miss)
     return Prediction(plan, tokens, round_s, p_hit, parts={"verify": verify, "tree": tree, "backup": backup})
 
