@@ -24,7 +24,7 @@ MAX_BUDGET = 4096  # branches per row; more only slows the tree build (and the c
 INT_OPTIONS = ("num_draft_tokens", "budget", "backup_batch_threshold", "ngram_max", "draft_threads", "target_threads")
 FLOAT_OPTIONS = ("alpha", "power_r", "downweight", "draft_temperature")
 STR_OPTIONS = ("mode", "backup", "worker", "draft_device", "draft_quantize")
-BOOL_OPTIONS = ("trust_processors",)
+BOOL_OPTIONS = ("trust_processors", "compile_target")
 LIST_OPTIONS = ("fanout", "fanout_after_miss")
 
 
@@ -57,6 +57,7 @@ class SSDConfig:
     target_threads: int | None = None  # torch intra-op threads for the target side (CPU)
     trust_processors: bool = False  # True: custom logits processors are pure functions of (input_ids, scores); no warning
     compile: bool | str = False  # static-shape draft cache, glue + tree under torch.compile; "auto": CUDA, or CPU if faster
+    compile_target: bool = False  # the target's verify too: static cache, compiled fixed-width block (compiled numerics)
     version: int = CONFIG_VERSION
 
     def __post_init__(self) -> None:

@@ -28,7 +28,7 @@ from hf_ssd.draft.sync import NullDrafter, SyncDrafter
 from hf_ssd.runtime.engine import Engine, RowOutputs
 from hf_ssd.runtime.kv import CachedModel, input_device
 from hf_ssd.runtime.processing import check_processors, with_temperature
-from hf_ssd.runtime.static_kv import static_draft_cache
+from hf_ssd.runtime.static_kv import static_draft_cache, static_target_cache
 from hf_ssd.runtime.stats import SSDStats
 from hf_ssd.workers import default_worker, make_drafter
 
@@ -111,12 +111,18 @@ def run_session(
 
         def ssd_drafter() -> Drafter:
             plan_config = config.updated(**plan.options())
-            kv = static_draft_cache(model, plan_config, B, generation_config.max_length, K, plan.budget, vocab, worker)
-            return make_drafter(plan_config, draft_model(B, config.downweight, kv), stats, plan.budget, greedy, worker)
+            max_length = generation_config.max_length
+            in_process = worker is None and plan_config.worker != "process"  # a process worker builds its own
+            kv = static_draft_cache(model, plan_config, B, max_length, K, plan.budget, vocab) if in_process else None
+            return make_drafter(plan_config, draft_model(B, config.downweight, kv), stats, plan.budget, greedy, worker,
+                                max_length)
 
         def sync_drafter() -> Drafter:
             stats.worker = "inline"
-            return SyncDrafter(draft_model(B if plan.mode == "sync" else 0, 1.0), K, stats)
+            if plan.mode != "sync":  # SSD's fallback: starts later, from the contexts (dynamic cache)
+                return SyncDrafter(draft_model(0, 1.0), K, stats)
+            kv = static_draft_cache(model, config, B, generation_config.max_length, K, 0, vocab, sync=True)
+            return SyncDrafter(draft_model(B, 1.0, kv), K, stats)
 
         stats.mode = plan.mode
         if plan.mode == "plain":
@@ -143,7 +149,10 @@ def run_session(
         else:
             drafter = ControlledDrafter(controller, build, stats)
     try:  # from here on the drafter is closed whatever happens (it may hold a kept DraftProcess)
-        target_kv = CachedModel(target, B)
+        target_kv = None
+        if config.compile_target:
+            target_kv = static_target_cache(target, B, generation_config.max_length)
+        target_kv = target_kv or CachedModel(target, B)
         engine = Engine(target_kv, drafter, processors, stopping, generation_config, stats, generator, streamer)
         start = time.perf_counter()
         if config.target_threads is not None:

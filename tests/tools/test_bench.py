@@ -102,6 +102,21 @@ def test_plan_methods():
     assert all(m.batch1_only for m in plan_methods(cfg, []) if m.kind == "hf")
     with pytest.raises(ValueError, match="unknown method"):
         plan_methods(BenchConfig(methods=("plain", "fast")), [])
+    both = plan_methods(BenchConfig(methods=("sd", "ssd"), compile="both"), ["inline", "process"])
+    assert [m.name for m in both] == ["sd", "sd+compile", "ssd:inline", "ssd:process", "ssd:inline+compile",
+                                      "ssd:process+compile"]
+    assert [m.engine_compiled for m in both] == [False, True, False, False, True, True]
+    assert all(m.compiled for m in both if m.engine_compiled)  # warmed up until no new graph, timed runs checked
+    assert [m.name for m in plan_methods(BenchConfig(methods=("sd",), compile="on"), [])] == ["sd+compile"]
+
+
+def test_our_sd_is_its_best_compile_setting():
+    rows = [{"setting": "paper", "temperature": 0.0, "batch_size": 1, "prompt_set": "humaneval", "method": m,
+             "tokens_per_s_decode": v, "tokens_per_s_e2e": v}
+            for m, v in [("plain", 2.0), ("sd", 4.0), ("sd+compile", 8.0), ("ssd:process+compile", 10.0)]]
+    add_speedups(rows)
+    assert rows[3]["speedup_vs_sd"] == pytest.approx(10 / 8)  # against the faster SD, compiled here
+    assert rows[1]["speedup_vs_sd"] == pytest.approx(0.5)
 
 
 def test_padding_tokens_and_threads():
@@ -257,6 +272,25 @@ def test_overhead_workload_alpha_one(tmp_path):
     sd = next(r for r in report["results"] if r["method"] == "sd")
     assert sd["mean_accepted_hist"] == 4.0 and sd["alpha_est"] == pytest.approx(1.0)
     assert "Workload: **overhead**" in (tmp_path / "table.md").read_text()
+
+
+def test_overhead_compiled_rows_and_controller_choice(tmp_path):
+    """--compile on: our SD/SSD run with static, compiled caches on both sides (exact, compiled in the warm-up);
+    the ssd:auto row records the plan the controller ran."""
+    cfg = BenchConfig(workload="overhead", tiny=True, methods=("plain", "sd", "ssd", "auto"), workers=("inline",),
+                      compile="on", num_prompts=1, max_new_tokens=12, K=3, warmup=1, repeats=1, progress=False)
+    report = run_bench(cfg, command="pytest overhead compiled")
+    write_report(report, tmp_path, plots=False)
+    assert validate_report(report) == []
+    by = {r["method"]: r for r in report["results"]}
+    assert set(by) == {"plain", "sd+compile", "ssd:inline+compile", "ssd:auto"}
+    for name in ("sd+compile", "ssd:inline+compile"):
+        r = by[name]
+        assert r["greedy_equal"] is True and r["engine_compiled"] and r["graphs_compiled_in_timed_runs"] == 0
+        assert r["mean_tokens_per_round"] > 1 and r["fallback_reason"] is None
+    auto = by["ssd:auto"]
+    assert auto["greedy_equal"] is True and auto["controller_choice"] and auto["controller_reason"]
+    assert f"ssd:auto (ran {auto['controller_choice']}" in (tmp_path / "table.md").read_text()
 
 
 def test_failed_optional_method_is_reported(monkeypatch, tmp_path):

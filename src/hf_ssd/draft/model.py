@@ -60,7 +60,7 @@ class DraftModel:
         """Feed all prompt tokens but the last (the last is fed with the first drafts)."""
         if prompt.shape[1] > 1:
             positions = (mask.long().cumsum(dim=1) - 1).clamp_min(0)
-            self.kv.forward(prompt[:, :-1], positions[:, :-1], mask[:, :-1].bool())
+            self.kv.forward(prompt[:, :-1], positions[:, :-1], mask[:, :-1].bool(), prefill=True)
 
     def jit(
         self,

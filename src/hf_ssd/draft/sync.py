@@ -24,8 +24,13 @@ class SyncDrafter(Drafter):
 
     def _draft(self, pending: torch.Tensor, pending_valid: torch.Tensor) -> Speculation:
         t0 = self.stats.now()
-        self.first_draft_slot = self.draft.kv.length + pending.shape[1]
+        self.first_draft_slot = self.draft.kv.write_pointer() + pending.shape[1]  # [B]: static rows advance apart
         self.spec = self.draft.jit(pending, pending_valid, self.K)
+        kv = self.draft.kv
+        if getattr(kv, "static", False):  # ssd_compile: say whether the draft steps ran compiled, and at what cost
+            self.stats.draft_static = True
+            self.stats.draft_compiled = kv.compiled_calls > 0
+            self.stats.draft_compile_s = round(kv.compile_s, 4)
         self.draft_span = (t0, self.stats.now())
         return self.spec
 

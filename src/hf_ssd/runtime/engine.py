@@ -61,7 +61,7 @@ class Engine:
         rows = torch.arange(B)  # original index of each active row
         positions = (mask.long().cumsum(dim=1) - 1).clamp_min(0)
         if prompt.shape[1] > 1:
-            self.target.forward(prompt[:, :-1], positions[:, :-1], mask[:, :-1].bool())
+            self.target.forward(prompt[:, :-1], positions[:, :-1], mask[:, :-1].bool(), prefill=True)
         next_pos = positions[:, -1].to(self.target.device)
         spec = self.drafter.start(prompt, mask)
         while rows.numel() > 0:
@@ -100,7 +100,7 @@ class Engine:
         block = torch.cat([pending[:, None], spec.tokens.to(self.target.device)], dim=1)
         positions = next_pos[:, None] + torch.arange(K + 1, device=next_pos.device)
         valid = torch.cat([torch.ones_like(pending[:, None], dtype=torch.bool), draft_slots(spec.n, K).to(block.device)], 1)
-        self._block_start = self.target.length
+        self._block_start = self.target.write_pointer()  # per row: a static cache's rows advance apart
         logits = self.target.forward(block, positions, valid)
         scores = process_block(self.processors, prefixes, spec.tokens.to(logits.device), logits, rows)
         if self.greedy:

@@ -92,6 +92,15 @@ class CachedModel:
     def length(self) -> int:
         return self.valid.shape[1]
 
+    def write_pointer(self) -> torch.Tensor:
+        """[B] slot each row's next token goes to: the common end (rows append together, holes keep them aligned)."""
+        return torch.full((self.batch,), self.length, dtype=torch.long, device=self.device)
+
+    @property
+    def batch(self) -> int:
+        """Rows the cache holds now (the generation's batch until finished rows are dropped)."""
+        return self.valid.shape[0]
+
     def default_attend(self, new_valid: torch.Tensor) -> torch.Tensor:
         """Past valid slots plus causal attention among the new tokens: [B, n, L+n] bool."""
         B, n = new_valid.shape
@@ -117,8 +126,10 @@ class CachedModel:
         positions: torch.Tensor,
         new_valid: torch.Tensor | None = None,
         attend: torch.Tensor | None = None,
+        prefill: bool = False,
     ) -> torch.Tensor:
         """Run `tokens` [B, n] at logical `positions`, append their KV, return float32 logits [B, n, V].
+        (`prefill`: a one-off width; only the static cache cares, never compiling it.)
 
         attend: [B, n, L+n] bool, which slots (old and new) each new token may see; default `default_attend`.
         """

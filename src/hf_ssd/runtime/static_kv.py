@@ -321,10 +321,11 @@ class StaticCachedModel:
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, new_valid: torch.Tensor | None = None,
-                attend: SlotAttend | None = None) -> torch.Tensor:
+                attend: SlotAttend | None = None, prefill: bool = False) -> torch.Tensor:
         """Run `tokens` [B', n] at logical `positions` at each row's write pointer; return float32 logits [B', n, V].
 
-        attend: a SlotAttend in the caller's rows, or None for causal attention over the row's valid slots."""
+        attend: a SlotAttend in the caller's rows, or None for causal attention over the row's valid slots.
+        prefill: a one-off width (the prompt) that runs eagerly even if it equals a compiled width."""
         e = self.entry
         n = tokens.shape[1]
         if self._bound + n > self.max_cache_len:
@@ -346,7 +347,7 @@ class StaticCachedModel:
         inputs = [_dense(x) for x in (tokens, positions, new_valid, lim, branch, tree0)]
         args = (self.model, e.cache, self.cache_kw, e.w, e.valid, e.pos, e.alive, e.slot_ids, *inputs,
                 self.window, self.layer_types is not None, self.dtype, self.max_position)
-        logits = self._run(e, n, args)
+        logits = _slot_step(*args) if prefill else self._run(e, n, args)
         self._bound += n
         self.forwards += 1
         return self._mine(logits)
@@ -366,8 +367,8 @@ class StaticCachedModel:
             if n in e.compiled_widths:
                 raise  # it ran before: this is not a compile failure
             e.compile_failed = f"{type(exc).__name__}: {exc}"
-            warnings.warn(f"hf_ssd: compiling the draft forward failed ({e.compile_failed.splitlines()[0][:300]}); "
-                          "the static draft cache runs eagerly.", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"hf_ssd: compiling the static-cache forward failed ({e.compile_failed.splitlines()[0][:300]}"
+                          "); the static cache runs eagerly.", RuntimeWarning, stacklevel=3)
             return _slot_step(*args)
         if counters["stats"]["unique_graphs"] != graphs:  # this call compiled (first call of the width, or again)
             dt = time.perf_counter() - t0
@@ -451,21 +452,25 @@ def _probe_faster(kv: StaticCachedModel, width: int, reps: int = 5) -> bool:
 
 
 def static_draft_cache(model: PreTrainedModel, config, batch: int, max_length: int, K: int, budget: int,
-                       vocab_size: int, worker=None) -> StaticCachedModel | None:
+                       vocab_size: int, sync: bool = False) -> StaticCachedModel | None:
     """The draft cache `config.compile` asks for: a StaticCachedModel (compiled or not), or None for the dynamic
-    `CachedModel` (compile off, the process worker, offloaded models, absurd lengths, unsupported models)."""
+    `CachedModel` (compile off, offloaded models, absurd lengths, unsupported models). With the process worker the
+    child builds it, on its own copy of the model (workers.process).
+
+    Compiled widths: SSD's glue (K + 1) and tree step (N branches); synchronous SD's (`sync`) single draft steps (1)
+    and the two pending tokens each round starts with (2)."""
     mode = getattr(config, "compile", False)
-    if mode is False or config.worker == "process" or worker is not None:
+    if mode is False:
         return None
     device_map = getattr(model, "hf_device_map", None)
     if device_map is not None and len(set(device_map.values())) > 1:
         return None
-    N = tree_width(config, K, budget, vocab_size)
-    M = static_cache_len(max_length, K, N)
+    N = 1 if sync else tree_width(config, K, budget, vocab_size)
+    M = static_cache_len(max_length, K, 0 if sync else N)
     if M > MAX_SLOTS:
         return None
     try:
-        kv = StaticCachedModel(model, batch, M, compile=True, hot_widths=(K + 1, N))
+        kv = StaticCachedModel(model, batch, M, compile=True, hot_widths=(1, 2) if sync else (K + 1, N))
     except (ValueError, TypeError, AttributeError) as exc:  # layouts CachedModel would also refuse, odd configs
         warnings.warn(f"hf_ssd: ssd_compile: the static draft cache does not support this model ({exc}); using the "
                       "dynamic cache.", RuntimeWarning, stacklevel=2)
@@ -475,6 +480,29 @@ def static_draft_cache(model: PreTrainedModel, config, batch: int, max_length: i
         return None
     kv.compile = True
     return kv
+
+
+VERIFY_WIDTHS = tuple(range(2, 18))  # verify blocks of K + 1 tokens, K = 1..16: each compiles at its first use
+
+
+def static_target_cache(model: PreTrainedModel, batch: int, max_length: int, K_max: int = 16
+                        ) -> StaticCachedModel | None:
+    """`ssd_compile_target`: the target's cache as static buffers whose verify block (K + 1 tokens wide) runs
+    compiled; None (the dynamic cache) for a model split over devices or an absurd length. The target's logits are
+    then its compiled graph's (as with transformers' own static-cache compile path): the same model, float rounding
+    of the compiled kernels."""
+    device_map = getattr(model, "hf_device_map", None)
+    if device_map is not None and len(set(device_map.values())) > 1:
+        return None
+    M = static_cache_len(max_length, K_max, 0)
+    if M > MAX_SLOTS:
+        return None
+    try:
+        return StaticCachedModel(model, batch, M, compile=COMPILE_ENABLED, hot_widths=VERIFY_WIDTHS)
+    except (ValueError, TypeError, AttributeError) as exc:
+        warnings.warn(f"hf_ssd: ssd_compile_target: the static cache does not support this model ({exc}); the "
+                      "target verifies eagerly.", RuntimeWarning, stacklevel=2)
+        return None
 
 
 def clear(model: PreTrainedModel | None = None) -> int:

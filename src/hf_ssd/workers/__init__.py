@@ -26,8 +26,9 @@ def default_worker(device: torch.device) -> str:
 
 
 def make_drafter(config: SSDConfig, draft: DraftModel, stats: SSDStats, budget: int, greedy: bool,
-                 process=None) -> Drafter:
-    """The Saguaro drafter on the worker the config asks for (`process`: a kept DraftProcess, if any)."""
+                 process=None, max_length: int | None = None) -> Drafter:
+    """The Saguaro drafter on the worker the config asks for (`process`: a kept DraftProcess, if any; `max_length`:
+    the generation's, which sizes a process worker's static cache when `config.compile` asks for one)."""
     from hf_ssd.draft.saguaro import SaguaroDrafter
     from hf_ssd.draft.static_saguaro import StaticSaguaroDrafter
 
@@ -36,7 +37,7 @@ def make_drafter(config: SSDConfig, draft: DraftModel, stats: SSDStats, budget: 
     if kind == "process":
         from hf_ssd.workers.process import ProcessDrafter
 
-        return ProcessDrafter(draft, config, stats, budget, greedy, process)
+        return ProcessDrafter(draft, config, stats, budget, greedy, process, max_length)
     # a static (compilable) draft cache (runtime.static_kv) gets the sync-free, fixed-shape tree
     drafter_class = StaticSaguaroDrafter if getattr(draft.kv, "static", False) else SaguaroDrafter
     inner = drafter_class(draft, config, stats, budget, greedy)

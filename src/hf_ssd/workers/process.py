@@ -54,12 +54,14 @@ CONTEXT_CAPACITY = 256  # initial tokens per row of the shared contexts buffer (
 
 # Stats the child's drafter maintains and the parent reports.
 SHARED_STATS = ("cache_lookups", "cache_hits", "backup_rounds", "fanout_after_hit", "fanout_after_miss", "budget",
-                "alpha", "power_r", "backup_threshold")
+                "alpha", "power_r", "backup_threshold", "draft_static", "draft_compiled", "draft_compile_s")
 
 
 def _serve(conn, model, quantize) -> None:
     """The child's loop. Requests are (seq, cmd, *args); answers are (seq, status, payload), seq echoed."""
     from hf_ssd.draft.saguaro import SaguaroDrafter
+    from hf_ssd.draft.static_saguaro import StaticSaguaroDrafter
+    from hf_ssd.runtime.static_kv import static_draft_cache
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the parent's to handle
     torch.set_grad_enabled(False)
@@ -78,7 +80,8 @@ def _serve(conn, model, quantize) -> None:
             return
         try:
             if cmd == "setup":  # a new generation: fresh caches, options and RNG state
-                vocab, warpers, greedy, downweight, rng_state, config_dict, budget, started, threads = args
+                (vocab, warpers, greedy, downweight, rng_state, config_dict, budget, started, threads, batch,
+                 max_length) = args
                 if threads is not None:
                     torch.set_num_threads(threads)
                 generator = None
@@ -87,10 +90,17 @@ def _serve(conn, model, quantize) -> None:
                     generator.set_state(rng_state)
                 drafter = draft = stats = exchange = None
                 failed = None
-                draft = DraftModel(model, 0, vocab, warpers, greedy, downweight, generator)
+                config = SSDConfig.from_dict(config_dict)
+                # ssd_compile: the static (compiled) cache lives here, with the model; its buffers and graphs stay
+                # for the next generation of a kept DraftProcess
+                kv = None
+                if max_length is not None:
+                    kv = static_draft_cache(model, config, batch, max_length, config.num_draft_tokens, budget, vocab)
+                draft = DraftModel(model, batch, vocab, warpers, greedy, downweight, generator, kv)
                 stats = SSDStats()
                 stats.started = started
-                drafter = SaguaroDrafter(draft, SSDConfig.from_dict(config_dict), stats, budget, greedy)
+                drafter_class = SaguaroDrafter if kv is None else StaticSaguaroDrafter
+                drafter = drafter_class(draft, config, stats, budget, greedy)
                 conn.send((seq, "ok", None))
                 continue
             if cmd == "release":
@@ -312,7 +322,7 @@ class ProcessDrafter(Drafter):
     kind = "process"
 
     def __init__(self, draft: DraftModel, config: SSDConfig, stats: SSDStats, budget: int, greedy: bool,
-                 process: DraftProcess | None = None):
+                 process: DraftProcess | None = None, max_length: int | None = None):
         self.stats = stats
         self.remote_forwards = 0
         self.vocab, self.greedy = draft.vocab_size, greedy
@@ -323,7 +333,8 @@ class ProcessDrafter(Drafter):
         try:
             rng_state = None if draft.generator is None else draft.generator.get_state()
             self.worker.call("setup", draft.vocab_size, draft.warpers, greedy, draft.downweight, rng_state,
-                             config.to_dict(), budget, stats.started, config.draft_threads)
+                             config.to_dict(), budget, stats.started, config.draft_threads, draft.kv.batch,
+                             max_length)
         except BaseException:
             self.close()
             raise

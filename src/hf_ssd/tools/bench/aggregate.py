@@ -7,6 +7,7 @@ from typing import Any
 
 TPS_METRICS = ("tokens_per_s_decode", "tokens_per_s_e2e")
 PLAIN_METHODS = ("plain", "plain:static-compile")  # "best plain" = the faster of these two in a group
+SD_METHODS = ("sd", "sd+compile")  # "our SD" = the faster of these in a group
 
 def safe_div(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0 or (isinstance(b, float) and math.isnan(b)):
@@ -109,7 +110,8 @@ def add_speedups(results: list[dict[str, Any]]) -> None:
     """speedup_vs_plain / _vs_best_plain / _vs_hf_best / _vs_sd within each (setting, temperature, batch, prompt set)
     group, on decode tok/s and on end-to-end tok/s (suffix _e2e); the tok/s are medians over repeats.
     plain = eager plain generate(); best_plain = the faster of plain and plain:static-compile; hf_best = the fastest
-    transformers speculative method of the group (assisted-generation schedules and prompt lookup)."""
+    transformers speculative method of the group (assisted-generation schedules and prompt lookup); sd = our
+    synchronous SD at its best compile setting (the faster of sd and sd+compile)."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in results:
         groups.setdefault((r["setting"], r["temperature"], r["batch_size"], r.get("prompt_set")), []).append(r)
@@ -118,8 +120,9 @@ def add_speedups(results: list[dict[str, Any]]) -> None:
             by = {r["method"]: r[metric] for r in rs}
             hf = [v for m, v in by.items() if m.startswith("hf:") and v]
             plains = [by[m] for m in PLAIN_METHODS if by.get(m)]
+            sds = [by[m] for m in SD_METHODS if by.get(m)]
             refs = {"plain": by.get("plain"), "best_plain": max(plains) if plains else None,
-                    "hf_best": max(hf) if hf else None, "sd": by.get("sd")}
+                    "hf_best": max(hf) if hf else None, "sd": max(sds) if sds else None}
             for r in rs:
                 for ref, v in refs.items():
                     r[f"speedup_vs_{ref}{suffix}"] = safe_div(r[metric], v)

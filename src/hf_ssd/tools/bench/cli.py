@@ -73,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{' and '.join(OPTIONAL_METHODS)} failing is reported, not fatal")
     g.add_argument("--hf-schedules", type=_csv(str), help="transformers schedules: constant,heuristic,default")
     g.add_argument("--workers", type=_csv(str), help="SSD worker kinds to try (default: all the engine provides)")
+    g.add_argument("--compile", choices=("off", "on", "both"), default="off",
+                   help="our SD/SSD rows eager (off), compiled (on: ssd_compile + ssd_compile_target, static caches, "
+                        "rows named '+compile', compiled in the warm-up) or both")
     g = p.add_argument_group("SSD / SD options")
     g.add_argument("--K", type=int, default=4, help="draft tokens per round (also HF's num_assistant_tokens)")
     g.add_argument("--budget", type=int, help="SSD branches per row (default: measured by the engine)")
@@ -117,7 +120,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         pair=args.pair, target=args.target, draft=args.draft, tiny=args.tiny, dtype=args.dtype,
         workload=args.workload, alpha_noise=args.alpha_noise,
-        max_prompt_tokens=args.max_prompt_tokens, methods=tuple(args.methods), workers=args.workers, K=args.K,
+        max_prompt_tokens=args.max_prompt_tokens, methods=tuple(args.methods), workers=args.workers, compile=args.compile, K=args.K,
         budget=args.budget, downweight=args.downweight, draft_quantize=args.draft_quantize, target_threads=args.target_threads,
         draft_threads=args.draft_threads, seed=args.seed, progress=not args.no_progress, **base)
 

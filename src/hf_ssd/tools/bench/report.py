@@ -98,6 +98,9 @@ def markdown_table(report: dict[str, Any]) -> str:
         cells = [_spread(r, k) if f == "spread" else _fmt(r.get(k), f) if f else _fmt(r.get(k)) for _, k, f in cols]
         if r.get("fallback_reason"):  # the engine gave up on SSD and ran sync SD: say so next to the numbers
             cells[mcol] += f" (FELL BACK to sync SD: {r['fallback_reason']})"
+        if r.get("controller_choice"):  # ssd:auto: the plan the controller ran
+            cells[mcol] += f" (ran {r['controller_choice']}" + (
+                f", {r['controller_switches']} switch(es))" if r.get("controller_switches") else ")")
         if r.get("graphs_compiled_in_timed_runs"):  # compilation leaked into the timing: flag it
             cells[mcol] += f" (COMPILED {r['graphs_compiled_in_timed_runs']} graph(s) while timed)"
         lines.append("| " + " | ".join(cells) + " |")
@@ -139,7 +142,7 @@ def markdown(report: dict[str, Any]) -> str:
     sets = report.get("prompt_sets") or cfg["prompts"]
     workload = report.get("workload", cfg.get("workload", "default"))
     errors = report.get("method_errors") or {}
-    compiled = [r for r in report["results"] if r.get("option") == "static-compile"]
+    compiled = [r for r in report["results"] if r.get("option") == "static-compile" or r.get("engine_compiled")]
     parts = [
         "# hf-ssd bench", "",
         f"Command: `{report['command']}`", "",
@@ -157,7 +160,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"SSD workers benchmarked: {', '.join(report['workers']['available']) or 'none'}"
         + ("; skipped: " + "; ".join(f"{k} ({v})" for k, v in report["workers"]["skipped"].items())
            if report["workers"]["skipped"] else ""), "",
-        *([f"plain:static-compile: warm-up incl. torch.compile up to "
+        *([f"Compiled rows (plain:static-compile, +compile): warm-up incl. torch.compile up to "
            f"{max(r.get('warmup_s') or 0.0 for r in compiled):.0f} s per row (untimed); graphs compiled while timed: "
            f"{sum(r.get('graphs_compiled_in_timed_runs') or 0 for r in compiled)}.", ""] if compiled else []),
         *(["Methods that failed and are not in the table: " + "; ".join(

@@ -83,6 +83,7 @@ class BenchConfig:
     hf_schedules: tuple[str, ...] = ("constant", "heuristic", "default")
     methods: tuple[str, ...] = DEFAULT_METHODS
     workers: tuple[str, ...] | None = None  # None: every worker kind the engine provides
+    compile: str = "off"  # our SD/SSD rows: "off" (eager), "on" (ssd_compile + ssd_compile_target) or "both"
     warmup: int = 1  # untimed generations per unit before timing (plain:static-compile: at least 1, until compiled)
     repeats: int = 3  # timed passes over every prompt batch; tok/s = median over them, with min and max
     seed: int = 0
@@ -97,6 +98,7 @@ class Method:
     name: str  # plain | plain:static-compile | hf:<schedule> | hf:prompt-lookup | sd | ssd:<worker> | ssd:auto
     kind: str  # plain | hf | sd | ssd | auto (generate(..., ssd=True) with no option: the controller decides)
     option: str | None = None  # static-compile, schedule, prompt-lookup or worker
+    engine_compiled: bool = False  # our SD/SSD with ssd_compile + ssd_compile_target (name ends in "+compile")
 
     @property
     def batch1_only(self) -> bool:
@@ -104,7 +106,7 @@ class Method:
 
     @property
     def compiled(self) -> bool:
-        return self.option == "static-compile"
+        return self.option == "static-compile" or self.engine_compiled
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -266,7 +268,7 @@ def generate_once(method: Method, target, draft, ids, mask, *, cfg: BenchConfig,
     else:
         kw.update(do_sample=False, temperature=None, top_k=None, top_p=None)
     saved = None
-    if method.compiled:
+    if method.option == "static-compile":
         kw.update(cache_implementation="static", compile_config=static_compile_config(target))
     elif method.kind == "hf" and method.option == "prompt-lookup":
         kw["prompt_lookup_num_tokens"] = cfg.K
@@ -282,6 +284,8 @@ def generate_once(method: Method, target, draft, ids, mask, *, cfg: BenchConfig,
         # cfg.draft_quantize to it already), not the engine's own "auto" int8 choice
         kw.update(assistant_model=draft, ssd=True, ssd_mode="sync" if method.kind == "sd" else "ssd",
                   ssd_num_draft_tokens=cfg.K, ssd_draft_quantize=None)
+        if method.engine_compiled:  # static caches on both sides, fixed-width forwards compiled
+            kw.update(ssd_compile=True, ssd_compile_target=True)
         if method.kind == "ssd":
             kept = process if method.option == "process" else None
             kw.update(ssd_worker=kept or method.option, ssd_downweight=cfg.downweight)
@@ -326,10 +330,12 @@ def plan_methods(cfg: BenchConfig, workers: list[str]) -> list[Method]:
     ms += [Method(f"hf:{s}", "hf", s) for s in scheds]
     if "hf:prompt-lookup" in cfg.methods:
         ms.append(Method("hf:prompt-lookup", "hf", "prompt-lookup"))
+    variants = {"off": (False,), "on": (True,), "both": (False, True)}[cfg.compile]
+    suffix = {False: "", True: "+compile"}
     if "sd" in cfg.methods:
-        ms.append(Method("sd", "sd"))
+        ms += [Method("sd" + suffix[c], "sd", engine_compiled=c) for c in variants]
     if "ssd" in cfg.methods:
-        ms += [Method(f"ssd:{w}", "ssd", w) for w in workers]
+        ms += [Method(f"ssd:{w}" + suffix[c], "ssd", w, engine_compiled=c) for c in variants for w in workers]
     if "auto" in cfg.methods:
         ms.append(Method("ssd:auto", "auto"))
     return ms
@@ -533,7 +539,13 @@ def _run_unit(setting, temp, b, ps, m, batches, *, cfg, target, draft, pad_id, e
         agg["graphs_compiled_in_timed_runs"] = compiled_graphs() - graphs_before
     last = per_rep[-1][-1] if per_rep and per_rep[-1] else None
     row = {"setting": setting, "temperature": temp, "batch_size": b, "prompt_set": ps, "method": m.name,
-           "kind": m.kind, "option": m.option, "threads": last["threads"] if last else None, **agg}
+           "kind": m.kind, "option": m.option, "engine_compiled": m.engine_compiled,
+           "threads": last["threads"] if last else None, **agg}
+    if m.kind == "auto":  # what the controller ran (last timed run) and why: the row's result depends on it
+        control = ((last or {}).get("ssd_stats") or {}).get("controller") or {}
+        row["controller_choice"] = control.get("choice")
+        row["controller_reason"] = control.get("reason")
+        row["controller_switches"] = len(control.get("switches") or [])
     return row, samples
 
 
@@ -546,6 +558,7 @@ NOTES = [
     "*_stats (JSON) and in brackets (Markdown).",
     "speedup_vs_* compare median decode tokens/s within the same setting, temperature, batch size and prompt set "
     "(_e2e: end-to-end). plain = eager plain generate(); best_plain = the faster of plain and plain:static-compile; "
+    "sd = our synchronous SD at its best compile setting (the faster of sd and sd+compile); "
     "hf_best = the fastest transformers speculative method of that group (assisted-generation schedules and prompt "
     "lookup; batch 1 only).",
     "alpha_est: per-token acceptance α whose capped-geometric mean Σ_{i=1..K} α^i equals the measured accepted "
