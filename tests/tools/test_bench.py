@@ -283,14 +283,14 @@ def test_overhead_compiled_rows_and_controller_choice(tmp_path):
     write_report(report, tmp_path, plots=False)
     assert validate_report(report) == []
     by = {r["method"]: r for r in report["results"]}
-    assert set(by) == {"plain", "sd+compile", "ssd:inline+compile", "ssd:auto"}
+    assert set(by) == {"plain", "sd+compile", "ssd:inline+compile", "ssd:auto+compile"}
     for name in ("sd+compile", "ssd:inline+compile"):
         r = by[name]
         assert r["greedy_equal"] is True and r["engine_compiled"] and r["graphs_compiled_in_timed_runs"] == 0
         assert r["mean_tokens_per_round"] > 1 and r["fallback_reason"] is None
-    auto = by["ssd:auto"]
+    auto = by["ssd:auto+compile"]
     assert auto["greedy_equal"] is True and auto["controller_choice"] and auto["controller_reason"]
-    assert f"ssd:auto (ran {auto['controller_choice']}" in (tmp_path / "table.md").read_text()
+    assert f"ssd:auto+compile (ran {auto['controller_choice']}" in (tmp_path / "table.md").read_text()
 
 
 def test_failed_optional_method_is_reported(monkeypatch, tmp_path):

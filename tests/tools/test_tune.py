@@ -36,6 +36,9 @@ def test_tune_writes_a_config_that_generate_picks_up(tmp_path):
                  "--max-new-tokens", "8", "--repeats", "1", "--top", "1"]) == 0
     table = json.loads((tmp_path / "ssd_tune.json").read_text())
     assert len(table["tried"]) == 2 and table["prompt_set"] == "humaneval"
+    check = table["check"]  # tune's own re-run of generate(ssd=True) with only the written config
+    assert check["controller"] is None and check["mode"] == table["tried"][0]["options"]["mode"]
+    assert check["median_tok_s"] > 0 and check["ratio_to_tuned"] > 0
     tuned = SSDConfig.from_pretrained(tmp_path)
     assert tuned.to_dict() == table["tried"][0]["options"]  # the fastest one
     target, draft, _ = tiny_pair()

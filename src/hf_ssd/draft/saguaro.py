@@ -21,6 +21,11 @@ from hf_ssd.runtime.stats import SSDStats
 from hf_ssd.core.tree import fork, tree_attend
 
 
+
+def drafted_by_model(source: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the speculation came from the draft model (cache hit or JIT), not the n-gram backup."""
+    return source != SOURCE_NGRAM
+
 class SpeculationCache:
     """(row, k, t*) -> the K drafted tokens of that branch and the distributions they were drawn from."""
 
@@ -67,9 +72,11 @@ class SaguaroDrafter(Drafter):
         self.after_hit = torch.tensor(hit, device=device)
         self.after_miss = torch.tensor(miss, device=device)
 
-    def _fanout(self, after_hit: torch.Tensor) -> torch.Tensor:
-        """[B, K+1] fan-out per row: the after-hit schedule for cache speculations, the after-miss one otherwise."""
-        return torch.where(after_hit[:, None], self.after_hit[None], self.after_miss[None])
+    def _fanout(self, source: torch.Tensor) -> torch.Tensor:
+        """[B, K+1] fan-out per row: the after-hit schedule for speculations the draft model wrote (from the cache,
+        or just in time: the first round's, a JIT backup's), the after-miss one for the n-gram backup's, which
+        accept differently."""
+        return torch.where(drafted_by_model(source)[:, None], self.after_hit[None], self.after_miss[None])
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
     def start(self, prompt: torch.Tensor, mask: torch.Tensor) -> Speculation:
@@ -83,7 +90,7 @@ class SaguaroDrafter(Drafter):
         kv, K = self.draft.kv, self.K
         self.spec = spec
         tokens, n = spec.tokens.to(kv.device), spec.n.to(kv.device)
-        fanout = self._fanout(spec.source.to(kv.device) == SOURCE_CACHE)
+        fanout = self._fanout(spec.source.to(kv.device))
         self.glue_start = kv.length
         start = kv.next_position()
         past_valid = kv.valid.clone()
@@ -173,7 +180,7 @@ class SaguaroDrafter(Drafter):
         rank = better.sum(dim=1) - rejected_better.long()
         table = torch.stack([k, n, rank, spec.source.to(device), hit.long()], dim=1).tolist()
         for kb, n_b, rank_b, source, hit_b in table:
-            self.planner.observe(source == SOURCE_CACHE, kb, n_b, bonus_rank=rank_b)
+            self.planner.observe(source != SOURCE_NGRAM, kb, n_b, bonus_rank=rank_b)
             self.backup.tokens[SOURCE_NAMES[source]].add(kb + 1)
             self.backup.p_hit.add(float(hit_b))
         self.backup.t_verify.add(verify_s)

@@ -18,7 +18,7 @@ import torch
 from hf_ssd.config import SSDConfig
 from hf_ssd.core.sampling import BAD_PROBS, sample, saguaro_probs
 from hf_ssd.core.tree import fork, tree_width
-from hf_ssd.core.types import SOURCE_CACHE, DraftResult, Speculation, Verdict
+from hf_ssd.core.types import DraftResult, Speculation, Verdict
 from hf_ssd.draft.model import DraftModel
 from hf_ssd.draft.saguaro import SaguaroDrafter, SpeculationCache
 from hf_ssd.runtime.static_kv import SlotAttend
@@ -58,7 +58,7 @@ class StaticSaguaroDrafter(SaguaroDrafter):
         self.spec = spec
         tokens, n = spec.tokens.to(kv.device), spec.n.to(kv.device)
         B = tokens.shape[0]
-        fanout = self._fanout(spec.source.to(kv.device) == SOURCE_CACHE)
+        fanout = self._fanout(spec.source.to(kv.device))
         glue = kv.write_pointer()  # [B] slot of t_prev in each row
         self.glue_start = glue
         start = kv.next_position()

@@ -57,8 +57,10 @@ def timed(target, draft, batches, options: dict | None, max_new_tokens: int, rep
         for enc in batches:
             kw = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=target.generation_config.pad_token_id
                       or 0)
-            if options is not None:
-                kw.update(assistant_model=draft, ssd=True, ssd_config=options)
+            if options is not None:  # {}: ssd=True and nothing else (the config comes from the model directory)
+                kw.update(assistant_model=draft, ssd=True)
+                if options:
+                    kw["ssd_config"] = options
             start = time.perf_counter()
             out = target.generate(**enc, **kw)
             seconds += time.perf_counter() - start
@@ -118,4 +120,29 @@ def run(args: argparse.Namespace) -> int:
         config.push_to_hub(args.push_to_hub)
     print(f"\nbest: {best['plan']} at {best['median_tok_s']:.2f} tok/s; wrote {path} "
           f"(generate(..., ssd=True) picks it up from that model directory). Table: {out_dir / 'ssd_tune.json'}")
+    check = reproduce(target, draft, batches, out_dir, best, args)
+    summary = json.loads((out_dir / "ssd_tune.json").read_text())
+    (out_dir / "ssd_tune.json").write_text(json.dumps({**summary, "check": check}, indent=2) + "\n")
+    print(f"check: generate(..., ssd=True) with no other option, config read from {out_dir}: "
+          f"{check['median_tok_s']:.2f} tok/s ({check['ratio_to_tuned']:.2f}x the tuned run; mode "
+          f"{check['mode']}, K={check['K']})")
     return 0
+
+
+def reproduce(target, draft, batches, out_dir: Path, best: dict, args) -> dict:
+    """Time generate(..., ssd=True) with no option but the written config (read from `out_dir`, as from a model
+    directory): does a later call get the tuned speed? Same batches and repeats as the tuning runs."""
+    from hf_ssd.config import SSDConfig
+
+    saved = target.config._name_or_path
+    target.config._name_or_path = str(out_dir)  # where generate() looks for ssd_config.json
+    try:
+        enc = batches[0]
+        out = target.generate(**enc, assistant_model=draft, ssd=True, max_new_tokens=4, do_sample=False,
+                              pad_token_id=target.generation_config.pad_token_id or 0, return_dict_in_generate=True)
+        stats = out.ssd_stats
+        result = timed(target, draft, batches, {}, args.max_new_tokens, args.repeats)
+    finally:
+        target.config._name_or_path = saved
+    return {**result, "ratio_to_tuned": result["median_tok_s"] / best["median_tok_s"], "mode": stats["mode"],
+            "K": SSDConfig.from_pretrained(out_dir).num_draft_tokens, "controller": stats["controller"]}

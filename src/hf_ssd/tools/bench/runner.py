@@ -284,8 +284,6 @@ def generate_once(method: Method, target, draft, ids, mask, *, cfg: BenchConfig,
         # cfg.draft_quantize to it already), not the engine's own "auto" int8 choice
         kw.update(assistant_model=draft, ssd=True, ssd_mode="sync" if method.kind == "sd" else "ssd",
                   ssd_num_draft_tokens=cfg.K, ssd_draft_quantize=None)
-        if method.engine_compiled:  # static caches on both sides, fixed-width forwards compiled
-            kw.update(ssd_compile=True, ssd_compile_target=True)
         if method.kind == "ssd":
             kept = process if method.option == "process" else None
             kw.update(ssd_worker=kept or method.option, ssd_downweight=cfg.downweight)
@@ -293,6 +291,8 @@ def generate_once(method: Method, target, draft, ids, mask, *, cfg: BenchConfig,
                 kw["ssd_budget"] = cfg.budget
             if th["target"] is not None:
                 kw.update(ssd_target_threads=th["target"], ssd_draft_threads=th["draft"])
+    if method.engine_compiled:  # static caches on both sides, fixed-width forwards compiled
+        kw.update(ssd_compile=True, ssd_compile_target=True)
     torch.manual_seed(cfg.seed)
     try:
         with PeakRSS() as mem, torch.inference_mode():
@@ -336,8 +336,8 @@ def plan_methods(cfg: BenchConfig, workers: list[str]) -> list[Method]:
         ms += [Method("sd" + suffix[c], "sd", engine_compiled=c) for c in variants]
     if "ssd" in cfg.methods:
         ms += [Method(f"ssd:{w}" + suffix[c], "ssd", w, engine_compiled=c) for c in variants for w in workers]
-    if "auto" in cfg.methods:
-        ms.append(Method("ssd:auto", "auto"))
+    if "auto" in cfg.methods:  # +compile: ssd=True plus the two compile options; the controller still decides
+        ms += [Method("ssd:auto" + suffix[c], "auto", engine_compiled=c) for c in variants]
     return ms
 
 
