@@ -170,6 +170,7 @@ def make_controller(target, draft, batch: int, greedy: bool, config: SSDConfig, 
                     worker_handle) -> Controller:
     allowed = constraints(config, device, worker_handle)
     costs = measure_costs(target, draft, batch, int8="int8" not in allowed or allowed["int8"])
-    key = (id(target), id(draft), str(device), batch, greedy)
+    # compiled plans cost differently from eager ones: their measured rounds are kept apart
+    key = (id(target), id(draft), str(device), batch, greedy, config.compile, config.compile_target)
     prior = Acceptance(alpha=0.7 if greedy else 0.6)
     return Controller(costs, memory_for(key), batch, allowed, prior, fixed_alpha=config.alpha)

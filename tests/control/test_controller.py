@@ -81,6 +81,30 @@ def test_reacts_when_costs_change_mid_generation():
     assert ctl.predict(second.plan).tokens_per_s > ctl.predict(first).tokens_per_s
 
 
+def test_round_times_shrug_off_one_off_stalls():
+    """A compile (or page fault) stalls one round by 100x: neither as the first round nor later does it become the
+    plan's measured speed; three slow rounds in a row do (the plan really got slower)."""
+    ema = Ema()
+    for x in (1.0, 100.0, 1.0, 1.0):  # a stall among the first rounds: the median starts the average
+        ema.add(x)
+    assert ema.value == pytest.approx(1.0)
+    ema.add(100.0)  # a later stall is skipped
+    assert ema.value == pytest.approx(1.0)
+    ema.add(50.0, count=3)  # a lasting change is taken
+    assert ema.value > 5.0
+
+
+def test_equal_predictions_prefer_the_smaller_tree():
+    """When the tree's cost does not grow with its width (a launch-bound draft) and every budget hits alike, the
+    controller takes the smallest budget among those within 3% of the fastest, not the largest."""
+    flat = costs(verify=(0.10, 0.0), draft=(0.01, 0.0))
+    ctl = controller(flat, alpha=1.0, allowed={"mode": ("ssd",), "K": (4,)})
+    chosen = ctl.decide().plan
+    fastest = max(ctl.predict(p).tokens_per_s for p in ctl.plans)
+    near = [p for p in ctl.plans if ctl.predict(p).tokens_per_s >= 0.97 * fastest]
+    assert chosen.budget == min(p.budget for p in near) and chosen.budget < 64
+
+
 def test_small_gains_do_not_switch():
     ctl = controller(costs(), alpha=0.8)
     first = ctl.decide().plan

@@ -137,3 +137,21 @@ def test_process_worker_builds_the_compiled_tree():
         assert st["worker"] == "process" and st["draft_static"] and st["draft_compiled"]
         assert st["fallback_reason"] is None
     assert stats[0]["draft_compile_s"] > 0 and stats[1]["draft_compile_s"] == 0.0  # compiled once per process
+
+
+@pytest.mark.parametrize("mode", ["sync", "ssd"])
+def test_static_buffers_survive_grad_modes_and_threads(mode, eager):
+    """Buffers first written under inference_mode serve later generations under no_grad, and in a worker thread
+    (which does not inherit the caller's mode): every static buffer update runs in inference mode."""
+    p = get_pair("llama")
+    ids, mask = left_pad([prompt(9, seed=20)[0], prompt(4, seed=21)[0]])
+    ref = plain_generate(p.target, ids, attention_mask=mask, max_new_tokens=16)
+    worker = "inline" if mode == "sync" else "thread"
+    for grad_mode in (torch.inference_mode, torch.no_grad, torch.inference_mode):
+        with grad_mode():
+            out = p.target.generate(ids, attention_mask=mask, assistant_model=p.related, ssd=True, ssd_mode=mode,
+                                    ssd_worker=worker, ssd_num_draft_tokens=3, ssd_budget=4, ssd_draft_quantize=None,
+                                    ssd_compile=True, ssd_compile_target=True, max_new_tokens=16, do_sample=False,
+                                    pad_token_id=0, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, ref)
+        assert out.ssd_stats["fallback_reason"] is None and out.ssd_stats["draft_static"]

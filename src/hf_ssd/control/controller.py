@@ -20,16 +20,36 @@ SIMPLER_WITHIN = 0.97  # prefer the simpler plan when the fancier one is predict
 COMPLEXITY = {"plain": 0, "sync": 1, "ssd": 2}
 
 
+OUTLIER = 4.0  # a round this many times the average is a one-off stall (a compile, a page fault), not the plan
+START = 3  # the average starts at the median of the first rounds, so a first-round stall cannot seed it
+
+
 class Ema:
-    """Exponential moving average that starts at its first observation."""
+    """Exponential moving average of round times, robust to one-off stalls: it starts at the median of its first
+    START observations, and later ones above OUTLIER times the average are skipped, unless 3 come in a row (then
+    the plan really got slower)."""
 
     def __init__(self, weight: float = 0.2):
         self.weight, self.value, self.n = weight, None, 0
+        self.first: list[float] = []
+        self.outliers = 0
 
     def add(self, x: float, count: int = 1) -> None:
         for _ in range(count):
-            self.value = x if self.value is None else (1 - self.weight) * self.value + self.weight * x
-        self.n += count
+            self._add(x)
+
+    def _add(self, x: float) -> None:
+        if len(self.first) < START:
+            self.first.append(x)
+            self.value = statistics.median(self.first)
+            self.n += 1
+            return
+        if x > OUTLIER * self.value and self.outliers < 2:
+            self.outliers += 1
+            return
+        self.outliers = 0
+        self.value = (1 - self.weight) * self.value + self.weight * x
+        self.n += 1
 
 
 @dataclass
@@ -126,10 +146,11 @@ class Controller:
     def decide(self, current: Plan | None = None) -> Decision:
         preds = sorted((self.predict(p) for p in self.plans), key=lambda x: -x.tokens_per_s)
         best = preds[0]
-        # Among plans within 3% of the fastest, take the simplest: less that can go wrong, nothing to gain.
+        # Among plans within 3% of the fastest, take the simplest (plain, sync, ssd; then the smallest tree): less
+        # that can go wrong and less work for the same predicted speed.
+        fastest = best.tokens_per_s
         for pred in preds:
-            if pred.tokens_per_s >= best.tokens_per_s * SIMPLER_WITHIN and \
-                    COMPLEXITY[pred.plan.mode] < COMPLEXITY[best.plan.mode]:
+            if pred.tokens_per_s >= fastest * SIMPLER_WITHIN and simpler(pred.plan, best.plan):
                 best = pred
         if current is not None and best.plan != current:
             now = next((p for p in preds if p.plan == current), None)
@@ -151,3 +172,8 @@ class Controller:
             ratio = parts["tree"] / max(parts["verify"], 1e-9)
             bits.append(f"tree of {best.plan.budget} branches = {ratio:.2f} verifies, hit rate ~{best.p_hit:.0%}")
         return "; ".join(bits)
+
+
+def simpler(a: Plan, b: Plan) -> bool:
+    """Is plan a simpler than plan b: an easier mode, or the same mode with a smaller speculation tree."""
+    return (COMPLEXITY[a.mode], a.budget) < (COMPLEXITY[b.mode], b.budget)

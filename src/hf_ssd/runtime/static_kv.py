@@ -157,7 +157,11 @@ def compile_mode(device: torch.device) -> str | None:
 
 
 # ---- the registry: buffers and compiled graphs, once per (model, shapes, dtype, device) per process -------------------
+# Every read-modify-write of the buffers runs in inference mode, whatever the caller's mode and thread: they are
+# inference tensors from their first write on, and one of those updated outside inference mode is an error (a later
+# generate() under no_grad, or a worker thread, which does not inherit the caller's mode).
 class _Entry:
+    @torch.inference_mode()
     def __init__(self, model: PreTrainedModel, key: tuple, batch: int, max_cache_len: int, dtype, device):
         self.key = key
         self.model_ref = weakref.ref(model)
@@ -182,6 +186,7 @@ class _Entry:
     def initialized(self) -> bool:
         return all(layer.is_initialized for layer in self.cache.layers)
 
+    @torch.inference_mode()
     def reset(self) -> None:
         """Empty every row (in place: the buffers keep their addresses, so compiled graphs stay valid)."""
         self.w.zero_()
@@ -319,7 +324,7 @@ class StaticCachedModel:
         nxt = torch.where(e.valid, e.pos + 1, torch.zeros_like(e.pos)).amax(dim=1)
         return self._mine(nxt)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, new_valid: torch.Tensor | None = None,
                 attend: SlotAttend | None = None, prefill: bool = False) -> torch.Tensor:
         """Run `tokens` [B', n] at logical `positions` at each row's write pointer; return float32 logits [B', n, V].
@@ -380,6 +385,7 @@ class StaticCachedModel:
             logits = logits.clone()
         return logits
 
+    @torch.inference_mode()
     def invalidate(self, start: torch.Tensor, stop: int | None = None) -> None:
         """Without `stop`: move each row's pointer back to start[b] (slots from there on become invalid and are
         overwritten later). With `stop`: mark slots start[b] .. stop-1 as holes."""
@@ -399,6 +405,7 @@ class StaticCachedModel:
     def crop_to(self, length: int) -> None:
         self.invalidate(torch.full((len(self._rows),), length, dtype=torch.long, device=self.device))
 
+    @torch.inference_mode()
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep the caller's rows `rows` (in order); the others become dead rows of the fixed batch."""
         keep = rows.tolist()
