@@ -134,20 +134,22 @@ def _slot_step(model, cache, cache_kw, w, valid, pos, alive, slot_ids, tokens, p
 
 
 def _dense(x: torch.Tensor) -> torch.Tensor:
-    """x with the standard row-major strides. Compiled graphs are specialised on exact strides: a sliced or expanded
-    input (even one `is_contiguous()` calls contiguous, e.g. [1, n] with stride (n+1, 1)) would compile again."""
+    """x with the standard row-major strides, as an inference tensor (called in inference mode). Compiled graphs are
+    specialised on exact strides and on dispatch keys: a sliced or expanded input (even one `is_contiguous()` calls
+    contiguous, e.g. [1, n] with stride (n+1, 1)), or a caller's tensor made outside inference mode, would compile
+    again."""
     expected, step = [], 1
     for size in reversed(x.shape):
         expected.append(step)
         step *= size
-    if tuple(reversed(expected)) == x.stride():
+    if tuple(reversed(expected)) == x.stride() and x.is_inference():
         return x
     return x.clone(memory_format=torch.contiguous_format)
 
 
 def _fresh_function(fn):
     """A copy of `fn` with its own code object: dynamo keeps compiled graphs (and counts recompilations) per code
-    object, so each cache entry gets its own graphs and its own recompile limit."""
+    object, so each cache entry (and width) gets its own graphs and its own recompile limit."""
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
@@ -175,7 +177,7 @@ class _Entry:
             torch._dynamo.mark_static_address(t)
         layers = model.config.get_text_config().num_hidden_layers
         self.cache = Cache(layers=[SlotLayer(max_cache_len, _Pointer(self.w)) for _ in range(layers)])
-        self.compiled = None  # torch.compile'd copy of _slot_step, built on first use
+        self.compiled: dict = {}  # width -> torch.compile'd copy of _slot_step, built on first use
         self.compiled_widths: set[int] = set()  # widths whose graph exists
         self.compile_failed: str | None = None
         self.compile_s = 0.0  # total seconds spent compiling for this entry
@@ -194,14 +196,17 @@ class _Entry:
         self.pos.zero_()
         self.alive.fill_(True)
 
-    def compiled_step(self):
-        if self.compiled is None:
+    def compiled_step(self, width: int):
+        """The compiled `_slot_step` for forwards of `width` tokens per row: one code object per width, so each
+        compiles once and no number of widths (plans the controller switches between) meets dynamo's recompile
+        limit."""
+        if width not in self.compiled:
             kw = {"fullgraph": True, "dynamic": False}
             mode = compile_mode(self.device)
             if mode is not None:
                 kw["mode"] = mode
-            self.compiled = torch.compile(_fresh_function(_slot_step), **kw)
-        return self.compiled
+            self.compiled[width] = torch.compile(_fresh_function(_slot_step), **kw)
+        return self.compiled[width]
 
 
 _REGISTRY: dict[tuple, list[_Entry]] = {}
@@ -367,7 +372,7 @@ class StaticCachedModel:
         graphs = counters["stats"]["unique_graphs"]
         t0 = time.perf_counter()
         try:
-            logits = e.compiled_step()(*args)
+            logits = e.compiled_step(n)(*args)
         except Exception as exc:  # noqa: BLE001 - compiling is an optimisation: run eager and say so once
             if n in e.compiled_widths:
                 raise  # it ran before: this is not a compile failure
