@@ -155,3 +155,18 @@ def test_static_buffers_survive_grad_modes_and_threads(mode, eager):
                                     pad_token_id=0, return_dict_in_generate=True)
         assert torch.equal(out.sequences, ref)
         assert out.ssd_stats["fallback_reason"] is None and out.ssd_stats["draft_static"]
+
+
+def test_sync_static_draft_has_room_for_its_holes(eager):
+    """Synchronous SD on the static cache leaves one hole per round whose last draft is rejected; a prompt that
+    fills the cache's bucket to the brim (max_length + 2(K+1) = 255 slots of 256) must still run without a fallback."""
+    p = get_pair("llama")
+    K, new = 4, 60
+    ids, mask = left_pad([prompt(256 - new - 2 * (K + 1) - 1, seed=40)[0]])
+    ref = plain_generate(p.target, ids, attention_mask=mask, max_new_tokens=new)
+    out = ssd_generate(p.target, p.shallow, ids, attention_mask=mask, max_new_tokens=new, return_dict_in_generate=True,
+                       ssd_mode="sync", ssd_num_draft_tokens=K, ssd_compile=True)
+    st = out.ssd_stats
+    assert torch.equal(out.sequences, ref)
+    assert st["draft_static"] and st["fallback_reason"] is None
+    assert st["accepted"] < st["drafted"]  # rejections happened, so holes did

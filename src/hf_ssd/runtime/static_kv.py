@@ -478,7 +478,9 @@ def static_draft_cache(model: PreTrainedModel, config, batch: int, max_length: i
     if device_map is not None and len(set(device_map.values())) > 1:
         return None
     N = 1 if sync else tree_width(config, K, budget, vocab_size)
-    M = static_cache_len(max_length, K, 0 if sync else N)
+    # synchronous SD leaves a hole each round whose last draft is rejected (its two pending tokens always take two
+    # slots), at most one per new token: room for max_length more
+    M = static_cache_len(2 * max_length if sync else max_length, K, 0 if sync else N)
     if M > MAX_SLOTS:
         return None
     try:
