@@ -17,7 +17,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 from hf_ssd.config import SSDConfig
 from hf_ssd.control.controller import Controller, memory_for
 from hf_ssd.control.costs import measure_costs
-from hf_ssd.control.drafter import ControlledDrafter
+from hf_ssd.control.drafter import ControlledDrafter, agreed
 from hf_ssd.control.placement import choose_draft_device
 from hf_ssd.control.plan import Acceptance, Plan
 from hf_ssd.draft.fallback import FallbackDrafter
@@ -85,7 +85,11 @@ def run_session(
     generator: torch.Generator | None,
     streamer=None,
     worker=None,
-) -> tuple[RowOutputs, SSDStats]:
+    plain_hand_off: bool = False,
+) -> tuple[RowOutputs | None, SSDStats]:
+    """Decode with SSD (or the plan the controller picks). `plain_hand_off`: when the controller's first choice is
+    plain decoding, return (None, stats) instead, so the caller runs transformers' own decoding loop, which is
+    faster at plain decoding than our round loop with no drafts."""
     check_processors(processors, trust=config.trust_processors)
     if config.draft_device == "auto":
         draft.to(choose_draft_device(target, draft))
@@ -147,7 +151,13 @@ def run_session(
                           RuntimeWarning, stacklevel=2)
             drafter = build(Plan("sync", config.num_draft_tokens or 4))
         else:
-            drafter = ControlledDrafter(controller, build, stats)
+            first = agreed(controller.decide())
+            if plain_hand_off and first.plan.mode == "plain":
+                stats.mode, stats.worker = "plain", "inline"
+                stats.controller = {"choice": "plain", "reason": first.reason + "; ran transformers' own decoding loop",
+                                    "switches": [], "probe_s": round(controller.costs.probe_s, 4)}
+                return None, stats
+            drafter = ControlledDrafter(controller, build, stats, first)
     try:  # from here on the drafter is closed whatever happens (it may hold a kept DraftProcess)
         target_kv = None
         if config.compile_target:

@@ -157,3 +157,44 @@ def test_cache_off_warns_once():
                              ssd_budget=1, ssd_worker="inline", max_new_tokens=30, do_sample=False, pad_token_id=0)
     msgs = [str(w.message) for w in caught if "effectively disabled" in str(w.message)]
     assert len(msgs) == 1 and "budget is 1" in msgs[0]
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_plain_choice_runs_transformers_own_loop(monkeypatch, do_sample):
+    """When the controller's first choice is plain decoding, generate() runs transformers' own decoding loop (faster
+    than our round loop with no drafts): the output is plain generate()'s (same seed, same samples), the streamer
+    sees the prompt once, every token and one end, and ssd_stats say why."""
+    from transformers.generation.streamers import BaseStreamer
+
+    from hf_ssd.control import controller as ctl_mod
+
+    monkeypatch.setattr(ctl_mod.Controller, "decide",
+                        lambda self, current=None: ctl_mod.Decision(Plan("plain"), "test: plain is fastest", []))
+
+    class Recorder(BaseStreamer):
+        def __init__(self):
+            self.puts, self.ends = [], 0
+
+        def put(self, value):
+            self.puts.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ends += 1
+
+    p = get_pair("llama")
+    ids, mask = left_pad([prompt(7, seed=50)[0]])
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=do_sample, pad_token_id=0)
+    if do_sample:
+        kw.update(temperature=0.8, top_k=20)
+    torch.manual_seed(7)
+    ref = p.target.generate(ids, **kw)
+    torch.manual_seed(7)
+    streamer = Recorder()
+    with torch.no_grad():
+        out = p.target.generate(ids, assistant_model=p.related, ssd=True, streamer=streamer,
+                                return_dict_in_generate=True, **kw)
+    assert torch.equal(out.sequences, ref)
+    st = out.ssd_stats
+    assert st["mode"] == "plain" and st["rounds"] == 0 and "transformers' own decoding loop" in st["controller"]["reason"]
+    assert streamer.ends == 1 and streamer.puts[0] == ids[0].tolist()
+    assert sum(streamer.puts[1:], []) == ref[0, ids.shape[1]:].tolist()

@@ -21,9 +21,11 @@ DECIDE_EVERY = 8  # rounds between re-decisions
 
 
 class ControlledDrafter(Drafter):
-    def __init__(self, controller: Controller, build: Callable[[Plan], Drafter], stats: SSDStats):
+    def __init__(self, controller: Controller, build: Callable[[Plan], Drafter], stats: SSDStats,
+                 decision: Decision | None = None):
+        """decision: the controller's first decision, if the caller made it already."""
         self.controller, self.build, self.stats = controller, build, stats
-        decision = agreed(controller.decide())
+        decision = decision or agreed(controller.decide())
         self.plan = decision.plan
         self.record = {"choice": self.plan.label, "reason": decision.reason, "switches": [],
                        "predicted": [_row(p) for p in decision.table], "probe_s": round(controller.costs.probe_s, 4)}

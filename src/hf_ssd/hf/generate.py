@@ -8,6 +8,7 @@ to the engine directly. Without `ssd=True` the original generate() runs untouche
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,16 +165,29 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
         _check_mask(input_ids, mask)
     if streamer is not None:
         streamer.put(input_ids.cpu())
+    handed_off = False
+    rng = _rng_state(input_ids.device)  # measuring and seeding the draft side draw from it: plain must not notice
     try:
         rows, stats = run_session(
             model, draft, input_ids, mask, logits_processor, stopping_criteria, generation_config, config, generator,
-            streamer, worker,
+            streamer, worker, plain_hand_off=generator is None,
         )
+        if rows is None:  # the controller chose plain decoding: transformers' own loop (it ends the streamer)
+            handed_off = True
+            _set_rng_state(input_ids.device, rng)  # the same seed gives plain generate()'s very samples
+            start = time.perf_counter()
+            result = GenerationMixin._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                             synced_gpus=False, streamer=streamer, **model_kwargs)
+            stats.wall_time = time.perf_counter() - start
     finally:
-        if streamer is not None:
+        if streamer is not None and not handed_off:
             streamer.end()
     summary = stats.summary()
     _last_stats = summary
+    if handed_off:
+        if not generation_config.return_dict_in_generate:
+            return result
+        return SSDGenerateOutput(**{k: v for k, v in result.items()}, ssd_stats=summary)
     pad = generation_config._pad_token_tensor
     pad_id = int(pad) if pad is not None else 0
     longest = max(len(t) for t in rows.tokens)
@@ -201,6 +215,18 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
         logits=steps(rows.logits) if generation_config.output_logits else None,
         ssd_stats=summary,
     )
+
+
+def _rng_state(device: torch.device):
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(device: torch.device, state) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def enable(model=None) -> None:

@@ -44,7 +44,7 @@ def aggregate_runs(runs: list[dict[str, Any]], batch: int) -> dict[str, Any]:
         lookups = sum(s["cache_lookups"] for s in stats)
         rounds = sum(s["rounds"] or len(s.get("accept_hist", {})) for s in stats)
         phases: dict[str, float] = {}
-        for key in ("verify", "draft", "resolve", "round"):
+        for key in ("verify", "draft", "resolve", "host", "handover", "round"):
             num = den = 0.0
             for s in stats:
                 v = (s.get("phase_means_s") or {}).get(key)

@@ -109,14 +109,14 @@ def markdown_table(report: dict[str, Any]) -> str:
 
 def phase_table(report: dict[str, Any]) -> str:
     """Where a round's time goes (SD/SSD): mean seconds of verify, draft, resolve, round; overlap."""
-    lines = ["| setting | T | batch | prompts | method | verify ms | draft ms | resolve ms | round ms | overlap | "
-             "budget |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| setting | T | batch | prompts | method | verify ms | draft ms | resolve ms | host ms | hand-over ms | "
+             "round ms | overlap | budget |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         ph = r.get("phase_means_s")
         if not ph:
             continue
-        ms = [_fmt(None if ph.get(k) is None else 1000 * ph[k], ".0f") for k in ("verify", "draft", "resolve",
-                                                                                    "round")]
+        ms = [_fmt(None if ph.get(k) is None else 1000 * ph[k], ".1f" if k in ("host", "handover") else ".0f")
+              for k in ("verify", "draft", "resolve", "host", "handover", "round")]
         lines.append(f"| {r['setting']} | {r['temperature']:g} | {r['batch_size']} | {r.get('prompt_set', '–')} | "
                      f"{r['method']} | "
                      + " | ".join(ms) + f" | {_fmt(r.get('overlap_fraction'), '.0%')} | {_fmt(r.get('budget'))} |")
