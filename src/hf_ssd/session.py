@@ -154,6 +154,8 @@ def run_session(
             first = agreed(controller.decide())
             if plain_hand_off and first.plan.mode == "plain":
                 stats.mode, stats.worker = "plain", "inline"
+                for name in ("per_row_accepted", "per_row_rounds", "per_row_hits", "per_row_lookups"):
+                    setattr(stats, name, [0] * B)  # one entry per row, as every other plan reports
                 stats.controller = {"choice": "plain", "reason": first.reason + "; ran transformers' own decoding loop",
                                     "switches": [], "probe_s": round(controller.costs.probe_s, 4)}
                 return None, stats

@@ -196,5 +196,6 @@ def test_plain_choice_runs_transformers_own_loop(monkeypatch, do_sample):
     assert torch.equal(out.sequences, ref)
     st = out.ssd_stats
     assert st["mode"] == "plain" and st["rounds"] == 0 and "transformers' own decoding loop" in st["controller"]["reason"]
+    assert st["per_row"]["rounds"] == [0]  # one entry per row, as with every other plan
     assert streamer.ends == 1 and streamer.puts[0] == ids[0].tolist()
     assert sum(streamer.puts[1:], []) == ref[0, ids.shape[1]:].tolist()
