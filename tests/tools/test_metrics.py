@@ -82,8 +82,10 @@ def test_acceptance_inputs_from_generate_stats():
 
     target, draft, tok = tiny_pair()
     enc = tok(["ab", "hello"], return_tensors="pt", padding=True)
+    # a fixed SSD plan: the controller may pick plain decoding for a tiny pair (no rounds to measure)
     out = target.generate(**enc, assistant_model=draft, ssd=True, max_new_tokens=10, do_sample=False,
-                          return_dict_in_generate=True)
+                          return_dict_in_generate=True, ssd_mode="ssd", ssd_num_draft_tokens=4, ssd_budget=6,
+                          ssd_draft_quantize=None)
     cols = metrics.acceptance_inputs([out.ssd_stats])
     assert len(cols["rounds"]) == 2
     r = metrics.load("ssd_acceptance").compute(**cols)
