@@ -143,11 +143,7 @@ def test_killed_process_worker_loses_nothing(pair, monkeypatch, at_round):
         return False  # then run the real begin on the dead process
 
     _at_process_begin(monkeypatch, at_round, kill)
-    with pytest.warns(RuntimeWarning, match="draft process died"):
-        out = target.generate(prompts, attention_mask=mask, max_new_tokens=16, do_sample=False, assistant_model=draft,
-                              **SSD, ssd_worker="process", ssd_budget=6)
-    assert torch.equal(out, ref)
-    no_leaks()
+    _falls_back_exactly(pair, ref, "draft process died")
 
 
 def test_process_worker_error_reported(pair, monkeypatch):
@@ -159,7 +155,13 @@ def test_process_worker_error_reported(pair, monkeypatch):
         return True  # replaces the real begin
 
     _at_process_begin(monkeypatch, 2, poison)
-    with pytest.warns(RuntimeWarning, match="draft process failed"):
+    _falls_back_exactly(pair, ref, "draft process failed")
+
+
+def _falls_back_exactly(pair, ref, warning: str) -> None:
+    """A process-worker generation whose fault was injected: it warns, keeps every token, leaks nothing."""
+    target, draft, prompts, mask = pair
+    with pytest.warns(RuntimeWarning, match=warning):
         out = target.generate(prompts, attention_mask=mask, max_new_tokens=16, do_sample=False, assistant_model=draft,
                               **SSD, ssd_worker="process", ssd_budget=6)
     assert torch.equal(out, ref)

@@ -108,8 +108,8 @@ def run(args: argparse.Namespace) -> int:
     for r in tried:
         print(f"| {r['plan']} | {r['predicted_tok_s']:.2f} | {r['median_tok_s']:.2f} "
               f"({r['min_tok_s']:.2f}-{r['max_tok_s']:.2f}) |")
-    (out_dir / "ssd_tune.json").write_text(json.dumps({"batch": args.batch, "prompt_set": TUNE_PROMPT_SET,
-                                                       "prompts": args.prompts, "tried": tried}, indent=2) + "\n")
+    table = {"batch": args.batch, "prompt_set": TUNE_PROMPT_SET, "prompts": args.prompts, "tried": tried}
+    (out_dir / "ssd_tune.json").write_text(json.dumps(table, indent=2) + "\n")
     if best["options"] is None:
         print(f"\nplain decoding is fastest here for this pair at batch {args.batch}; no SSD config written "
               f"(generate(..., ssd=True) keeps choosing by itself). Table: {out_dir / 'ssd_tune.json'}")
@@ -121,8 +121,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nbest: {best['plan']} at {best['median_tok_s']:.2f} tok/s; wrote {path} "
           f"(generate(..., ssd=True) picks it up from that model directory). Table: {out_dir / 'ssd_tune.json'}")
     check = reproduce(target, draft, batches, out_dir, best, args)
-    summary = json.loads((out_dir / "ssd_tune.json").read_text())
-    (out_dir / "ssd_tune.json").write_text(json.dumps({**summary, "check": check}, indent=2) + "\n")
+    (out_dir / "ssd_tune.json").write_text(json.dumps({**table, "check": check}, indent=2) + "\n")
     print(f"check: generate(..., ssd=True) with no other option, config read from {out_dir}: "
           f"{check['median_tok_s']:.2f} tok/s ({check['ratio_to_tuned']:.2f}x the tuned run; mode "
           f"{check['mode']}, K={check['K']})")
