@@ -28,8 +28,8 @@ def warmup(
     config: SSDConfig | dict | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Compile the glue (K+1 tokens per row) and tree (N = budget branches per row) forwards of `draft` for
-    generations of up to `prompt_len + max_new_tokens` tokens in batches of `batch_size`.
+    """Compile the glue (K+1 tokens per row), tree (N = budget branches per row) and backup (1) forwards of
+    `draft` for generations of up to `prompt_len + max_new_tokens` tokens in batches of `batch_size`.
 
     K and budget default to the config's (`config` or SSDConfig()); both must be known, as they fix the shapes.
     Returns {"compile_s", "wall_s", "widths", "max_cache_len", "compiled"}: compiled is False when compiling failed

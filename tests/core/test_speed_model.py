@@ -91,3 +91,12 @@ def test_predict_by_hand():
     assert pb.ar_tps == pytest.approx(200.0)
     with pytest.raises(ValueError):
         predict(t, K=4, p_hit=0.5)
+
+
+def test_a_tree_slower_than_the_verify_is_paid_in_miss_rounds_too():
+    # the miss is known only after both the verify and the tree: a miss round costs max(1, T_tree) + T_backup
+    assert ssd_speedup(0.5, 5.0, 3.0, 1.5, 1.0) == pytest.approx(4.0 / (1.5 + 0.5 * 1.0))
+    # with T_tree <= 1 it is the paper's p·max(1, T_tree) + (1-p)·(1 + T_backup)
+    p, t_tree, t_backup = 0.7, 0.8, 0.6
+    assert ssd_speedup(p, 5.0, 3.0, t_tree, t_backup) == pytest.approx(
+        (p * 5.0 + (1 - p) * 3.0) / (p * max(1, t_tree) + (1 - p) * (1 + t_backup)))

@@ -32,18 +32,19 @@ def sd_speedup(e: float, t_draft: float) -> float:
 
 def ssd_speedup(p_hit: float, e_hit: float, e_miss: float, t_tree: float, t_backup: float, *, batch: int = 1,
                 t_sync: float = 0.0) -> float:
-    """docs/algorithm.md §6: [p·E_hit + (1-p)·E_miss] / [P_b·max(1, T_tree) + (1-P_b)·(1 + T_backup)]
-    (+ T_sync per round).
+    """docs/algorithm.md §6: [p·E_hit + (1-p)·E_miss] / [max(1, T_tree) + (1-P_b)·T_backup] (+ T_sync per round).
 
-    Tokens are per row: each row hits on its own with probability p. Time is per batched round: the round only
-    runs at max(verify, tree) if all rows hit (P_b = p^b); if any row misses, the whole batch waits for the backup.
-    At batch = 1 this is the paper's formula exactly.
+    Tokens are per row: each row hits on its own with probability p. Time is per batched round: every round runs
+    at max(verify, tree), since the miss is only known once both are done; if any row misses (1 - P_b, P_b = p^b),
+    the whole batch then waits for the backup. At batch = 1 with T_tree <= 1 this is the paper's formula
+    p·max(1, T_tree) + (1-p)·(1 + T_backup); with a tree slower than the verify, the paper's form would price a
+    miss round as if the tree were hidden behind the verify.
     """
     if not 0.0 <= p_hit <= 1.0:
         raise ValueError(f"p_hit must be in [0, 1], got {p_hit}")
     P = batch_hit_rate(p_hit, batch)
     tokens = p_hit * e_hit + (1.0 - p_hit) * e_miss
-    time = P * max(1.0, t_tree) + (1.0 - P) * (1.0 + t_backup) + t_sync
+    time = max(1.0, t_tree) + (1.0 - P) * t_backup + t_sync
     return tokens / time
 
 
@@ -53,9 +54,9 @@ def backup_threshold(p_hit: float, t_tree: float, t_jit: float, t_fast: float, e
     max_batch + 1 if it never does up to max_batch.
 
     Model: per-row tokens N = p·E_hit + (1-p)·E_miss do not depend on b; round time
-    T(b) = P_b·max(1, T_tree) + (1-P_b)·(1 + T_backup) with P_b = p^b. A JIT backup proposes better (E_miss_jit >
+    T(b) = max(1, T_tree) + (1-P_b)·T_backup with P_b = p^b. A JIT backup proposes better (E_miss_jit >
     E_miss_fast) but stalls the batch longer (T_jit > T_fast). As b grows P_b falls, miss rounds dominate and the
-    time ratio T_jit(b)/T_fast(b) rises monotonically from 1 to (1+T_jit)/(1+T_fast), so there is at most one
+    time ratio T_jit(b)/T_fast(b) rises monotonically from 1 to (M+T_jit)/(M+T_fast), M = max(1, T_tree), so there is at most one
     crossing. Use JIT for b < b*, fast for b >= b*.
     With T_tree <= 1 and T_fast ~ 0 the switch condition is (1-p^b)/(1-p) · N_fast · (T_jit-T_fast) > E_jit-E_fast:
     the JIT's stall costs the whole batch with probability 1-p^b, while its better proposals only help the (1-p)

@@ -96,7 +96,7 @@ class StaticSaguaroDrafter(SaguaroDrafter):
         return super().resolve(verdict)
 
     def _jit(self, rows_valid: torch.Tensor) -> Speculation:
-        """Neural backup (eager, dynamic), then every row's pointer goes back to where it was."""
+        """Neural backup (its single steps run compiled), then every row's pointer goes back to where it was."""
         kv = self.draft.kv
         before = kv.write_pointer()
         fanout = self.after_miss[: self.K][None].expand(rows_valid.shape[0], self.K)

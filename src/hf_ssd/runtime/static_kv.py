@@ -16,12 +16,12 @@ to `lim`, plus the valid slots of its own tree branch (slots tree0 + m*n + branc
 default (`attend=None`) is causal: lim = the token's own slot. A tree step of width n is lim = glue start + depth,
 branch = the branch's index: exactly `core.tree.tree_attend`.
 
-What compiles: one graph per hot width (the glue's K+1 and the tree's N tokens per row; one graph when K+1 == N),
+What compiles: one graph per hot width (the glue's K+1, the tree's N and the backup's single tokens per row),
 `torch.compile(fullgraph=True, dynamic=False)`, "reduce-overhead" (CUDA graphs) on GPU: the mask over all M slots,
 the whole model forward (every layer's slot-scatter KV write included) and the validity/position/pointer updates.
 Checked with zero graph breaks on Llama, Qwen2, Qwen3, Gemma3 (mixed sliding/full layers), Mistral (sliding
-window), GPT-2 (learned positions) and GPT-NeoX. What stays eager: prefill and just-in-time drafting (other
-widths), and the small sync-free ops between forwards (fork, proposals, lookup). Inputs are made dense first:
+window), GPT-2 (learned positions) and GPT-NeoX. What stays eager: prefill (and any width a plan does not declare hot),
+and the small sync-free ops between forwards (fork, proposals, lookup). Inputs are made dense first:
 graphs are specialised on strides.
 
 The buffers and the compiled forward live in a per-process registry keyed by (model, batch, M, dtype, device), so a
@@ -469,8 +469,9 @@ def static_draft_cache(model: PreTrainedModel, config, batch: int, max_length: i
     `CachedModel` (compile off, offloaded models, absurd lengths, unsupported models). With the process worker the
     child builds it, on its own copy of the model (workers.process).
 
-    Compiled widths: SSD's glue (K + 1) and tree step (N branches); synchronous SD's (`sync`) single draft steps (1)
-    and the two pending tokens each round starts with (2)."""
+    Compiled widths: SSD's glue (K + 1), tree step (N branches) and the single steps of its just-in-time backup
+    after a miss (1: eager, its K serial steps cost so much that the backup policy picks the weaker n-gram);
+    synchronous SD's single draft steps (1) and the two pending tokens each round starts with (2)."""
     mode = getattr(config, "compile", False)
     if mode is False:
         return None
@@ -484,7 +485,7 @@ def static_draft_cache(model: PreTrainedModel, config, batch: int, max_length: i
     if M > MAX_SLOTS:
         return None
     try:
-        kv = StaticCachedModel(model, batch, M, compile=True, hot_widths=(1, 2) if sync else (K + 1, N))
+        kv = StaticCachedModel(model, batch, M, compile=True, hot_widths=(1, 2) if sync else (1, K + 1, N))
     except (ValueError, TypeError, AttributeError) as exc:  # layouts CachedModel would also refuse, odd configs
         warnings.warn(f"hf_ssd: ssd_compile: the static draft cache does not support this model ({exc}); using the "
                       "dynamic cache.", RuntimeWarning, stacklevel=2)
