@@ -2,8 +2,13 @@
 themselves live there, once, so examples and the bench use the same ones."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# No kept draft process is started behind a test's back (workers.pool); the tests of the pool turn it on themselves.
+os.environ.setdefault("HF_SSD_AUTO_PROCESS", "0")
 
 import hf_ssd  # noqa: F401  (enables generate(..., ssd=True))
 from hf_ssd.testing import ARCHS, Pair, get_pair

@@ -30,7 +30,7 @@ from hf_ssd.runtime.kv import CachedModel, input_device
 from hf_ssd.runtime.processing import check_processors, with_temperature
 from hf_ssd.runtime.static_kv import static_draft_cache, static_target_cache
 from hf_ssd.runtime.stats import SSDStats
-from hf_ssd.workers import default_worker, make_drafter
+from hf_ssd.workers import default_worker, make_drafter, pool
 
 
 def draft_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator:
@@ -118,7 +118,8 @@ def run_session(
             max_length = generation_config.max_length
             in_process = worker is None and plan_config.worker != "process"  # a process worker builds its own
             kv = static_draft_cache(model, plan_config, B, max_length, K, plan.budget, vocab) if in_process else None
-            return make_drafter(plan_config, draft_model(B, config.downweight, kv), stats, plan.budget, greedy, worker,
+            process = worker if worker is not None else (pooled if plan.worker == "process" else None)
+            return make_drafter(plan_config, draft_model(B, config.downweight, kv), stats, plan.budget, greedy, process,
                                 max_length)
 
         def sync_drafter() -> Drafter:
@@ -138,11 +139,14 @@ def run_session(
 
     threads_before = torch.get_num_threads()  # plans may set their own; the caller's setting comes back at the end
     plan = fixed_plan(config, d_device)
+    # a kept draft process (workers.pool) the controller may choose, when the options leave the worker to it
+    pooled = pool.ready(draft) if plan is None and worker is None and config.worker == "auto" else None
+    wanted = None  # a process-worker plan predicted to pay: start a kept process when this generation ends
     if plan is not None:
         drafter = build(plan)
     else:
         try:
-            controller = make_controller(target, draft, B, greedy, config, d_device, worker)
+            controller = make_controller(target, draft, B, greedy, config, d_device, worker, pooled is not None)
         except Exception as exc:  # noqa: BLE001 - measuring runs the draft; a broken draft falls back, as in the chain
             reason = f"{type(exc).__name__}: {exc}"
             stats.fallback_reason = reason
@@ -152,12 +156,15 @@ def run_session(
             drafter = build(Plan("sync", config.num_draft_tokens or 4))
         else:
             first = agreed(controller.decide())
+            if pooled is None and worker is None and config.worker == "auto":
+                wanted = controller.process_option(first.plan)
             if plain_hand_off and first.plan.mode == "plain":
                 stats.mode, stats.worker = "plain", "inline"
                 for name in ("per_row_accepted", "per_row_rounds", "per_row_hits", "per_row_lookups"):
                     setattr(stats, name, [0] * B)  # one entry per row, as every other plan reports
                 stats.controller = {"choice": "plain", "reason": first.reason + "; ran transformers' own decoding loop",
                                     "switches": [], "probe_s": round(controller.costs.probe_s, 4)}
+                _ask_for_process(draft, wanted, pooled, stats, first.plan)
                 return None, stats
             drafter = ControlledDrafter(controller, build, stats, first)
     try:  # from here on the drafter is closed whatever happens (it may hold a kept DraftProcess)
@@ -175,14 +182,29 @@ def run_session(
         torch.set_num_threads(threads_before)
     stats.wall_time = time.perf_counter() - start
     stats.draft_forwards = drafter.forwards
+    if stats.controller is not None:
+        _ask_for_process(draft, wanted, pooled, stats, getattr(drafter, "plan", None))
     return rows, stats
 
 
+def _ask_for_process(draft, wanted, pooled, stats: SSDStats, chosen: Plan | None) -> None:
+    """Record the kept process's part in ssd_stats, and start one (after the generation: see workers.pool) when the
+    controller predicted a process-worker plan clearly faster than the one it ran."""
+    if pooled is not None:
+        stats.controller["process_worker"] = "a kept draft process was up, so process-worker plans were candidates"
+    elif wanted is not None:
+        what = pool.start(draft)
+        stats.controller["process_worker"] = (
+            f"{wanted.plan.label} predicted {wanted.tokens_per_s:.2f} tok/s, clearly faster than "
+            f"{chosen.label if chosen is not None else 'the chosen plan'}: kept draft process {what}")
+
+
 def make_controller(target, draft, batch: int, greedy: bool, config: SSDConfig, device: torch.device,
-                    worker_handle) -> Controller:
+                    worker_handle, process_ready: bool = False) -> Controller:
     allowed = constraints(config, device, worker_handle)
     costs = measure_costs(target, draft, batch, int8="int8" not in allowed or allowed["int8"])
     # compiled plans cost differently from eager ones: their measured rounds are kept apart
     key = (id(target), id(draft), str(device), batch, greedy, config.compile, config.compile_target)
     prior = Acceptance(alpha=0.7 if greedy else 0.6)
-    return Controller(costs, memory_for(key), batch, allowed, prior, fixed_alpha=config.alpha)
+    return Controller(costs, memory_for(key), batch, allowed, prior, fixed_alpha=config.alpha,
+                      process_ready=process_ready)

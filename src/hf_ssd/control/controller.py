@@ -83,9 +83,10 @@ class Decision:
 
 class Controller:
     def __init__(self, costs: Costs, memory: Memory, batch: int, allowed: dict, prior: Acceptance | None = None,
-                 fixed_alpha: float | None = None):
+                 fixed_alpha: float | None = None, process_ready: bool = False):
         """allowed: constraints from explicit options, e.g. {"mode": ("ssd",), "K": (4,), "budget": 8,
-        "int8": False, "worker": "thread", "threads": (1, 1)}; absent keys are free."""
+        "int8": False, "worker": "thread", "threads": (1, 1)}; absent keys are free. process_ready: a kept draft
+        process is up (workers.pool), so process-worker plans are candidates beside the thread's."""
         self.costs, self.memory, self.batch = costs, memory, batch
         self.allowed = allowed
         self.prior = prior or Acceptance()
@@ -93,7 +94,9 @@ class Controller:
         search = {"modes": tuple(allowed.get("mode", ("plain", "sync", "ssd"))), "max_K": max(allowed.get("K", (8,)))}
         if "budget" in allowed:
             search["budgets"] = (allowed["budget"],)
-        plans = [p for p in candidates(costs, **search) if self._permitted(p)]
+        self.search = search
+        workers = ("thread", "process") if process_ready and "worker" not in allowed else ("thread",)
+        plans = [p for p in candidates(costs, **search, workers=workers) if self._permitted(p)]
         if "worker" in allowed:  # an inline tree runs alone, on every thread
             threads = None if allowed["worker"] == "inline" else costs.split
             plans = [replace(p, worker=allowed["worker"], threads=threads) if p.mode == "ssd" else p for p in plans]
@@ -125,9 +128,10 @@ class Controller:
         """Measured / modelled round time of the plans of `mode` that ran: the engine's own work, thread contention
         and whatever else the cost lines miss. Without it, plans that never ran would look better than their
         siblings that did, and the controller would hop between them. Other modes keep the model's figure (each
-        is tried at most once before its own measurements take over)."""
+        is tried at most once before its own measurements take over). `mode` is a plan `family`."""
         ratios = [measured.value / max(self.model(plan).round_s, 1e-9)
-                  for plan, measured in self.memory.round_s.items() if plan.mode == mode and measured.n >= MIN_ROUNDS]
+                  for plan, measured in self.memory.round_s.items()
+                  if family(plan) == mode and measured.n >= MIN_ROUNDS]
         return statistics.median(ratios) if ratios else 1.0
 
     def predict(self, plan: Plan) -> Prediction:
@@ -137,7 +141,7 @@ class Controller:
             pred.round_s = measured.value
             pred.parts = {**pred.parts, "measured_round": measured.value}
         else:
-            pred.round_s *= self.calibration(plan.mode)
+            pred.round_s *= self.calibration(family(plan))
         if plan.mode == "ssd" and measured is not None and self.memory.lookups >= 20:
             pred.p_hit = self.memory.hits / self.memory.lookups  # for the record: the measured round includes misses
         return pred
@@ -160,6 +164,19 @@ class Controller:
                                          f"{SWITCH_GAIN:.2f}x needed to switch", preds[:6])
         return Decision(best.plan, self._explain(best, preds), preds[:6])
 
+    def process_option(self, chosen: Plan) -> Prediction | None:
+        """The best process-worker plan when none is up yet, if it is predicted at least SWITCH_GAIN times faster
+        than `chosen`: worth starting a kept process for (workers.pool). None when the options fix the worker."""
+        if "worker" in self.allowed or any(p.worker == "process" for p in self.plans):
+            return None
+        plans = [p for p in candidates(self.costs, **self.search, workers=("process",))
+                 if p.worker == "process" and self._permitted(p)]
+        if not plans:
+            return None
+        best = max((self.predict(p) for p in plans), key=lambda x: x.tokens_per_s)
+        now = self.predict(chosen)
+        return best if best.tokens_per_s >= now.tokens_per_s * SWITCH_GAIN else None
+
     def _explain(self, best: Prediction, preds: list[Prediction]) -> str:
         acc = self.acceptance()
         runner_up = {m: next((p for p in preds if p.plan.mode == m), None) for m in ("plain", "sync", "ssd")}
@@ -172,6 +189,11 @@ class Controller:
             ratio = parts["tree"] / max(parts["verify"], 1e-9)
             bits.append(f"tree of {best.plan.budget} branches = {ratio:.2f} verifies, hit rate ~{best.p_hit:.0%}")
         return "; ".join(bits)
+
+
+def family(plan: Plan) -> str:
+    """Plans that share a calibration: a mode, and for SSD its worker (a process's hand-over, a thread's GIL)."""
+    return f"ssd:{plan.worker}" if plan.mode == "ssd" else plan.mode
 
 
 def simpler(a: Plan, b: Plan) -> bool:

@@ -69,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nController: ran {c.get('choice', s['mode'])}. Why: {c.get('reason', 'options given explicitly')}.")
     for sw in c.get("switches", []):
         print(f"  round {sw['round']}: {sw['from']} -> {sw['to']} ({sw['reason']})")
+    if "process_worker" in c:
+        print(f"Process worker: {c['process_worker']}.")
     hit = "n/a" if s["hit_rate"] is None else f"{s['hit_rate']:.0%}"
     hidden = "n/a" if s["overlap_fraction"] is None else f"{s['overlap_fraction']:.0%}"
     print(f"Mean accepted drafts per round {s['mean_accepted']:.2f}, cache hit rate {hit}, draft work hidden under "

@@ -1,0 +1,109 @@
+"""Kept draft processes (workers.pool): when one may be started, when the controller asks for one, and exact output
+while the controller's plans use it."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from hf_ssd.control import controller as ctl_mod
+from hf_ssd.control.controller import Controller, Memory
+from hf_ssd.control.costs import Costs, Line
+from hf_ssd.control.plan import Plan, Prediction
+from hf_ssd.testing import get_pair, left_pad, plain_generate, prompt
+from hf_ssd.workers import pool
+
+
+def costs(overlap: float) -> Costs:
+    t, d = Line(0.10, 0.002), Line(0.02, 0.0005)
+    return Costs(1, t, d, t, d, (1, 1), None, None, overlap=overlap)
+
+
+@pytest.mark.parametrize("script, safe", [
+    ('"""doc"""\nimport torch\nX = 3\ndef main():\n    run()\nif __name__ == "__main__":\n    main()\n', True),
+    ("import torch\nmodel = load()\nif __name__ == '__main__':\n    pass\n", False),  # a call at import
+    ("import torch\nrun()\n", False),
+    ("if '__main__' == __name__:\n    run()\nelse:\n    other()\n", False),  # the else branch runs in the child
+])
+def test_spawn_hazard_reads_the_main_script(tmp_path, monkeypatch, script, safe):
+    path = tmp_path / "main.py"
+    path.write_text(script)
+    main = types.ModuleType("__main__")
+    main.__file__ = str(path)
+    monkeypatch.setitem(__import__("sys").modules, "__main__", main)
+    monkeypatch.setenv(pool.ENV, "1")
+    hazard = pool.spawn_hazard()
+    assert (hazard is None) == safe
+    if not safe:
+        assert "if __name__ ==" in hazard and "line" in hazard
+    monkeypatch.setenv(pool.ENV, "0")
+    assert "off" in pool.spawn_hazard()
+
+
+def test_process_plans_are_candidates_only_when_a_process_is_up():
+    plain = Controller(costs(0.5), Memory(), 1, {}, fixed_alpha=0.8)
+    assert not any(p.worker == "process" for p in plain.plans)
+    ready = Controller(costs(0.5), Memory(), 1, {}, fixed_alpha=0.8, process_ready=True)
+    process = [p for p in ready.plans if p.worker == "process"]
+    assert process and not any(p.int8 for p in process)
+    fixed = Controller(costs(0.5), Memory(), 1, {"worker": "thread"}, fixed_alpha=0.8, process_ready=True)
+    assert not any(p.worker == "process" for p in fixed.plans)
+
+
+def test_a_process_is_asked_for_only_where_it_pays():
+    # threads that hide nothing of each other (the GIL): a process worker is predicted clearly faster
+    c = Controller(costs(0.0), Memory(), 1, {}, fixed_alpha=0.9)
+    want = c.process_option(c.decide().plan)
+    assert want is not None and want.plan.worker == "process" and want.plan.mode == "ssd"
+    # threads that overlap fully: a process would only add its hand-over
+    c = Controller(costs(1.0), Memory(), 1, {}, fixed_alpha=0.9)
+    assert c.process_option(c.decide().plan) is None
+    # the options fix the worker: nothing to ask for
+    c = Controller(costs(0.0), Memory(), 1, {"worker": "thread"}, fixed_alpha=0.9)
+    assert c.process_option(c.decide().plan) is None
+
+
+def test_generation_asks_for_a_kept_process_when_it_ends(monkeypatch):
+    started = []
+    monkeypatch.setattr(pool, "start", lambda draft: started.append(draft) or "starting (test)")
+    monkeypatch.setattr(ctl_mod.Controller, "process_option",
+                        lambda self, chosen: Prediction(Plan("ssd", 3, 6, "process"), 12.0, 0.1))
+    p = get_pair("llama")
+    ids = prompt(6, seed=11)
+    out = p.target.generate(ids, assistant_model=p.related, ssd=True, max_new_tokens=12, do_sample=False,
+                            pad_token_id=0, return_dict_in_generate=True)
+    assert started == [p.related]
+    assert "kept draft process starting (test)" in out.ssd_stats["controller"]["process_worker"]
+
+
+ROTATION = [Plan("ssd", 3, 6, "process"), Plan("sync", 2), Plan("ssd", 3, 6, "thread"), Plan("ssd", 4, 8, "process")]
+
+
+def test_kept_process_serves_the_controllers_plans_exactly(monkeypatch):
+    """A real kept process: once up, the controller's process plans run on it (switching to and from it between
+    rounds), the output is plain generate()'s, and it stays up for the next call."""
+
+    def decide(self, current=None):
+        i = 0 if current is None else (ROTATION.index(current) + 1) % len(ROTATION)
+        return ctl_mod.Decision(ROTATION[i], "test: rotate", [])
+
+    monkeypatch.setattr(ctl_mod.Controller, "decide", decide)
+    monkeypatch.setenv(pool.ENV, "1")
+    p = get_pair("llama")
+    try:
+        assert pool.start(p.related).startswith("starting")
+        assert pool.wait(p.related, timeout_s=120) == "ready"
+        ids, mask = left_pad([prompt(7, seed=3)[0], prompt(4, seed=4)[0]])
+        ref = plain_generate(p.target, ids, attention_mask=mask, max_new_tokens=40)
+        for _ in range(2):
+            out = p.target.generate(ids, attention_mask=mask, assistant_model=p.related, ssd=True, max_new_tokens=40,
+                                    do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+            assert torch.equal(out.sequences, ref)
+            record = out.ssd_stats["controller"]
+            assert "kept draft process was up" in record["process_worker"]
+            assert {s["to"] for s in record["switches"]} >= {"sync K=2", "ssd K=3 budget=6 thread"}
+            assert pool.ready(p.related) is not None  # free again, and alive
+    finally:
+        pool.close_all()
+    assert pool.status(p.related) is None
