@@ -199,3 +199,21 @@ def test_plain_choice_runs_transformers_own_loop(monkeypatch, do_sample):
     assert st["per_row"]["rounds"] == [0]  # one entry per row, as with every other plan
     assert streamer.ends == 1 and streamer.puts[0] == ids[0].tolist()
     assert sum(streamer.puts[1:], []) == ref[0, ids.shape[1]:].tolist()
+
+
+def test_a_measured_speed_up_carries_over_to_families_that_have_not_run():
+    """Compiled forwards beat the eager cost lines for every plan alike: when the plans that ran are measured 2x
+    faster than modelled, a family that has not run is predicted 2x faster too (so it gets tried); a measured
+    slow-down stays with its own family."""
+    ctl = controller(costs(), alpha=0.8)
+    sync = Plan("sync", 4)
+    fast = Ema()
+    fast.add(0.5 * ctl.model(sync).round_s, count=8)
+    ctl.memory.round_s[sync] = fast
+    ssd = Plan("ssd", 4, 8, "thread", threads=(1, 1))
+    assert ctl.predict(ssd).round_s == pytest.approx(0.5 * ctl.model(ssd).round_s)
+    assert ctl.calibration("sync") == pytest.approx(0.5)
+    slow = Ema()
+    slow.add(3.0 * ctl.model(sync).round_s, count=8)
+    ctl.memory.round_s[sync] = slow
+    assert ctl.predict(ssd).round_s == pytest.approx(ctl.model(ssd).round_s)

@@ -125,14 +125,20 @@ class Controller:
         return predict(plan, self.costs, self.acceptance(), self.batch)
 
     def calibration(self, mode: str) -> float:
-        """Measured / modelled round time of the plans of `mode` that ran: the engine's own work, thread contention
-        and whatever else the cost lines miss. Without it, plans that never ran would look better than their
-        siblings that did, and the controller would hop between them. Other modes keep the model's figure (each
-        is tried at most once before its own measurements take over). `mode` is a plan `family`."""
-        ratios = [measured.value / max(self.model(plan).round_s, 1e-9)
-                  for plan, measured in self.memory.round_s.items()
-                  if family(plan) == mode and measured.n >= MIN_ROUNDS]
-        return statistics.median(ratios) if ratios else 1.0
+        """Measured / modelled round time of the plans of `mode` (a plan `family`) that ran: the engine's own work,
+        thread contention and whatever else the cost lines miss. Without it, plans that never ran would look better
+        than their siblings that did, and the controller would hop between them.
+
+        A family that has not run takes the other families' ratio only where it is below 1: the cost lines are
+        eager forwards, and compiled forwards (ssd_compile) are faster for every family alike, while a slowdown
+        (contention on one side's cores) may be the measured family's own. So each family is tried at most once
+        before its own measurements take over, and never looks worse than the model says before it has run."""
+        ratios = {plan: measured.value / max(self.model(plan).round_s, 1e-9)
+                  for plan, measured in self.memory.round_s.items() if measured.n >= MIN_ROUNDS}
+        own = [r for plan, r in ratios.items() if family(plan) == mode]
+        if own:
+            return statistics.median(own)
+        return min(1.0, statistics.median(ratios.values())) if ratios else 1.0
 
     def predict(self, plan: Plan) -> Prediction:
         pred = self.model(plan)
