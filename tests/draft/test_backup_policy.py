@@ -36,3 +36,20 @@ def test_backup_choice_sees_this_rounds_verify_time(monkeypatch):
         assert seen[-1] == verify_s
         spec = result.spec
     assert seen == [0.125, 7.5, 0.25]
+
+
+def test_fast_models_still_try_the_jit_backup():
+    """Millisecond rounds (a GPU, a small compiled draft): the JIT backup, never run yet, is priced from the measured
+    tree (not by a prior in seconds, which priced it at 100 verifies and so never tried it): a cheap draft's JIT is
+    chosen at batch 1; once it has run, its own time decides, and one that costs many verifies gives way to the
+    n-gram backup."""
+    policy = BackupPolicy(SSDConfig(num_draft_tokens=4))
+    for _ in range(30):
+        policy.t_verify.add(0.008)
+        policy.t_tree.add(0.004)  # 5 draft forwards of 0.8 ms
+        policy.p_hit.add(0.8)
+        policy.tokens["cache"].add(3.0)
+    assert policy.choose(1) == "jit"
+    for _ in range(30):
+        policy.t_jit.add(0.2)  # 25 verifies: the stall costs more than the better proposals bring
+    assert policy.choose(1) == "ngram"

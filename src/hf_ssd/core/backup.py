@@ -11,8 +11,10 @@ from hf_ssd.core.speed_model import backup_threshold, expected_tokens_per_round
 
 
 class Mean:
-    def __init__(self, prior: float, weight: float = 2.0):
-        self.total, self.count = prior * weight, weight
+    """Running mean; a `prior` counts as `weight` observations (None: no value until the first observation)."""
+
+    def __init__(self, prior: float | None = None, weight: float = 2.0):
+        self.total, self.count = (prior * weight, weight) if prior is not None else (0.0, 0.0)
         self.last: float | None = None
 
     def add(self, x: float) -> None:
@@ -21,26 +23,34 @@ class Mean:
         self.last = x
 
     @property
-    def value(self) -> float:
-        return self.total / self.count
+    def value(self) -> float | None:
+        return self.total / self.count if self.count else None
 
 
 class BackupPolicy:
     def __init__(self, config: SSDConfig):
-        K = config.num_draft_tokens
+        K = self.K = config.num_draft_tokens
         self.forced = None if config.backup == "auto" else config.backup
         self.fixed_threshold = config.backup_batch_threshold
         self.p_hit = Mean(0.5)
-        self.t_verify, self.t_tree, self.t_jit, self.t_fast = Mean(1.0), Mean(1.0), Mean(1.0), Mean(0.0)
+        # Times come from this run alone: a prior in seconds would be off by orders of magnitude between a 2-core CPU
+        # and a GPU, and a backup priced by its prior alone (never tried) would never be tried.
+        self.t_verify, self.t_tree, self.t_jit, self.t_fast = Mean(), Mean(), Mean(), Mean()
         self.tokens = {"cache": Mean(expected_tokens_per_round(0.7, K)), "jit": Mean(expected_tokens_per_round(0.7, K)),
                        "ngram": Mean(1.2)}
 
     def threshold(self) -> int:
         if self.fixed_threshold is not None:
             return self.fixed_threshold
-        v = max(self.t_verify.value, 1e-9)
+        v = self.t_verify.value or 1.0
+        tree = self.t_tree.value if self.t_tree.value is not None else v
+        # a JIT backup not run yet: K single-token draft steps, against the tree's K + 1 forwards (an optimistic
+        # guess, so it gets tried and measured)
+        jit = self.t_jit.value if self.t_jit.value is not None else tree * self.K / (self.K + 1)
+        fast = self.t_fast.value or 0.0
+        v = max(v, 1e-9)
         return backup_threshold(
-            self.p_hit.value, self.t_tree.value / v, self.t_jit.value / v, self.t_fast.value / v,
+            self.p_hit.value, tree / v, jit / v, fast / v,
             self.tokens["cache"].value, self.tokens["jit"].value, self.tokens["ngram"].value, max_batch=4096,
         )
 
