@@ -165,6 +165,7 @@ def run_session(
                 stats.controller = {"choice": "plain", "reason": first.reason + "; ran transformers' own decoding loop",
                                     "switches": [], "probe_s": round(controller.costs.probe_s, 4)}
                 _ask_for_process(draft, wanted, pooled, stats, first.plan)
+                stats.controller_memory = controller.memory
                 return None, stats
             drafter = ControlledDrafter(controller, build, stats, first)
     try:  # from here on the drafter is closed whatever happens (it may hold a kept DraftProcess)

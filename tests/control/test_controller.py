@@ -217,3 +217,27 @@ def test_a_measured_speed_up_carries_over_to_families_that_have_not_run():
     slow.add(3.0 * ctl.model(sync).round_s, count=8)
     ctl.memory.round_s[sync] = slow
     assert ctl.predict(ssd).round_s == pytest.approx(ctl.model(ssd).round_s)
+
+
+def test_plain_is_not_calibrated_by_compiled_plans_and_its_hand_off_is_measured(monkeypatch):
+    """A plain first choice runs transformers' eager loop: a compiled plan measured faster than its model must not make
+    plain look faster too (it would be chosen and never measured), and the hand-off records its own step time."""
+    ctl = controller(costs(), alpha=0.8)
+    sync = Plan("sync", 4)
+    fast = Ema()
+    fast.add(0.4 * ctl.model(sync).round_s, count=8)
+    ctl.memory.round_s[sync] = fast
+    assert ctl.predict(Plan("plain")).round_s == pytest.approx(ctl.model(Plan("plain")).round_s)
+
+    from hf_ssd import session
+    from hf_ssd.control import controller as ctl_mod
+
+    memory = Memory()
+    monkeypatch.setattr(session, "memory_for", lambda key: memory)
+    monkeypatch.setattr(ctl_mod.Controller, "decide",
+                        lambda self, current=None: ctl_mod.Decision(Plan("plain"), "test: plain is fastest", []))
+    p = get_pair("llama")
+    p.target.generate(prompt(6, seed=2), assistant_model=p.related, ssd=True, max_new_tokens=10, do_sample=False,
+                      pad_token_id=0)
+    measured = memory.round_s[Plan("plain")]
+    assert measured.n == 8 and 0 < measured.value < 5

@@ -31,7 +31,15 @@ def test_doctor_runs_on_a_tiny_pair(capsys):
     assert "A tree of 32 branches costs" in out and "Choice:" in out
 
 
-def test_tune_writes_a_config_that_generate_picks_up(tmp_path):
+def test_tune_writes_a_config_that_generate_picks_up(tmp_path, monkeypatch):
+    import hf_ssd.testing
+
+    def loaded_from_a_directory():  # as from_pretrained leaves it: the model's name_or_path is its own directory
+        target, draft, tokenizer = tiny_pair()
+        target.name_or_path = target.config._name_or_path = str(tmp_path / "model")
+        return target, draft, tokenizer
+
+    monkeypatch.setattr(hf_ssd.testing, "tiny_pair", loaded_from_a_directory)
     assert main(["tune", "--tiny", "--out", str(tmp_path), "--modes", "sync,ssd", "--prompts", "1",
                  "--max-new-tokens", "8", "--repeats", "1", "--top", "1"]) == 0
     table = json.loads((tmp_path / "ssd_tune.json").read_text())

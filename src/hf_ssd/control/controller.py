@@ -74,6 +74,13 @@ def memory_for(key: tuple) -> Memory:
     return _MEMORY.setdefault(key, Memory())
 
 
+def record_plain(memory: Memory, seconds: float, steps: int) -> None:
+    """A plain decoding run outside our round loop (transformers' own, after a hand-off) took `seconds` for `steps`
+    target steps: its measured round time, so a plain choice is checked like any other."""
+    if steps > 0:
+        memory.round_s.setdefault(Plan("plain"), Ema()).add(seconds / steps, count=min(steps, 8))
+
+
 @dataclass
 class Decision:
     plan: Plan
@@ -132,13 +139,16 @@ class Controller:
         A family that has not run takes the other families' ratio only where it is below 1: the cost lines are
         eager forwards, and compiled forwards (ssd_compile) are faster for every family alike, while a slowdown
         (contention on one side's cores) may be the measured family's own. So each family is tried at most once
-        before its own measurements take over, and never looks worse than the model says before it has run."""
+        before its own measurements take over, and never looks worse than the model says before it has run.
+        Plain decoding is the exception: chosen first, it runs transformers' own eager loop, as the model prices it."""
         ratios = {plan: measured.value / max(self.model(plan).round_s, 1e-9)
                   for plan, measured in self.memory.round_s.items() if measured.n >= MIN_ROUNDS}
         own = [r for plan, r in ratios.items() if family(plan) == mode]
         if own:
             return statistics.median(own)
-        return min(1.0, statistics.median(ratios.values())) if ratios else 1.0
+        if mode == "plain" or not ratios:
+            return 1.0
+        return min(1.0, statistics.median(ratios.values()))
 
     def predict(self, plan: Plan) -> Prediction:
         pred = self.model(plan)

@@ -18,6 +18,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_ssd.config import SSDConfig, config_from_kwargs
+from hf_ssd.control.controller import record_plain
 from hf_ssd.workers.process import DraftProcess
 from hf_ssd.session import run_session
 from hf_ssd.hf.validate import check_generation, check_pair
@@ -179,6 +180,8 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
             result = GenerationMixin._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                              synced_gpus=False, streamer=streamer, **model_kwargs)
             stats.wall_time = time.perf_counter() - start
+            sequences = result if isinstance(result, torch.Tensor) else result.sequences
+            record_plain(stats.controller_memory, stats.wall_time, sequences.shape[1] - input_ids.shape[1])
     finally:
         if streamer is not None and not handed_off:
             streamer.end()

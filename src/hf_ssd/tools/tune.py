@@ -133,8 +133,11 @@ def reproduce(target, draft, batches, out_dir: Path, best: dict, args) -> dict:
     directory): does a later call get the tuned speed? Same batches and repeats as the tuning runs."""
     from hf_ssd.config import SSDConfig
 
-    saved = target.config._name_or_path
-    target.config._name_or_path = str(out_dir)  # where generate() looks for ssd_config.json
+    # where generate() looks for ssd_config.json: the model's name_or_path (set by from_pretrained), else its config's
+    saved = target.config._name_or_path, getattr(target, "name_or_path", None)
+    target.config._name_or_path = str(out_dir)
+    if saved[1] is not None:
+        target.name_or_path = str(out_dir)
     try:
         enc = batches[0]
         out = target.generate(**enc, assistant_model=draft, ssd=True, max_new_tokens=4, do_sample=False,
@@ -142,6 +145,8 @@ def reproduce(target, draft, batches, out_dir: Path, best: dict, args) -> dict:
         stats = out.ssd_stats
         result = timed(target, draft, batches, {}, args.max_new_tokens, args.repeats)
     finally:
-        target.config._name_or_path = saved
+        target.config._name_or_path = saved[0]
+        if saved[1] is not None:
+            target.name_or_path = saved[1]
     return {**result, "ratio_to_tuned": result["median_tok_s"] / best["median_tok_s"], "mode": stats["mode"],
             "K": SSDConfig.from_pretrained(out_dir).num_draft_tokens, "controller": stats["controller"]}
