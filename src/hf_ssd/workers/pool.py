@@ -21,6 +21,9 @@ import threading
 import weakref
 from pathlib import Path
 
+from hf_ssd.runtime.kv import input_device
+from hf_ssd.workers.process import DraftProcess
+
 ENV = "HF_SSD_AUTO_PROCESS"
 
 
@@ -28,22 +31,18 @@ class _Kept:
     """One draft model's kept process: started in a background thread, ready once the child has answered."""
 
     def __init__(self, draft):
-        from hf_ssd.workers.process import DraftProcess
-
         self.draft = weakref.ref(draft)
         self.process: DraftProcess | None = None
         self.error: str | None = None
-        from hf_ssd.runtime.kv import input_device
-
-        if input_device(draft).type == "cpu":  # now, while nothing runs the draft: spawning would move them mid-forward
+        # Spawning moves CPU weights into shared memory: do it here, while nothing runs the draft, not in the
+        # background thread, where it could swap a weight's storage under a forward of the next generation.
+        if input_device(draft).type == "cpu":
             draft.share_memory()
         self.thread = threading.Thread(target=self._start, args=(draft,), name="hf-ssd-start-draft-process",
                                        daemon=True)
         self.thread.start()
 
     def _start(self, draft) -> None:
-        from hf_ssd.workers.process import DraftProcess
-
         try:
             self.process = DraftProcess(draft)
         except Exception as exc:  # noqa: BLE001 - reported in ssd_stats; generation goes on in-process
