@@ -147,8 +147,9 @@ def test_default_budget_is_measured():
 def test_seeded_reproducibility(mode):
     p = get_pair("qwen3")
     ids, mask = left_pad([prompt(5, seed=9)[0], prompt(8, seed=10)[0]] * 2)
+    # the backup fixed: the automatic one decides from measured times (README, `backup`)
     kw = dict(attention_mask=mask, max_new_tokens=16, do_sample=True, temperature=1.5, ssd_mode=mode,
-              ssd_num_draft_tokens=3)
+              ssd_num_draft_tokens=3, ssd_backup="jit")
     a = ssd_generate(p.target, p.related, ids, generator=torch.Generator().manual_seed(123), **kw)
     b = ssd_generate(p.target, p.related, ids, generator=torch.Generator().manual_seed(123), **kw)
     c = ssd_generate(p.target, p.related, ids, generator=torch.Generator().manual_seed(124), **kw)
