@@ -13,6 +13,7 @@ import torch
 
 from hf_ssd.control.controller import Controller, Decision, Ema, Memory
 from hf_ssd.control.plan import Plan
+from hf_ssd.core.ranks import from_rank0
 from hf_ssd.core.types import DraftResult, Speculation, Verdict
 from hf_ssd.draft.protocol import Drafter
 from hf_ssd.runtime.stats import SSDStats
@@ -105,15 +106,8 @@ class ControlledDrafter(Drafter):
 
 
 def agreed(decision: Decision) -> Decision:
-    """Under torch.distributed (a tensor-parallel target), every rank takes rank 0's decision: the ranks verify
-    together, so their plans (K above all) must match, and their timings never do exactly."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return decision
-    box = [decision if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    """Under torch.distributed (a tensor-parallel target), every rank takes rank 0's decision (core.ranks)."""
+    return from_rank0(decision)
 
 
 def _row(pred) -> dict:

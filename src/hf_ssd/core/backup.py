@@ -7,6 +7,7 @@ A batch round waits for its slowest row, so a JIT backup stalls everyone wheneve
 from __future__ import annotations
 
 from hf_ssd.config import SSDConfig
+from hf_ssd.core.ranks import from_rank0
 from hf_ssd.core.speed_model import backup_threshold, expected_tokens_per_round
 
 
@@ -57,4 +58,5 @@ class BackupPolicy:
     def choose(self, batch: int) -> str:
         if self.forced is not None:
             return self.forced
-        return "jit" if batch < self.threshold() else "ngram"
+        # measured times differ between tensor-parallel ranks; what they draft must not
+        return from_rank0("jit" if batch < self.threshold() else "ngram")
