@@ -208,4 +208,4 @@ def make_controller(target, draft, batch: int, greedy: bool, config: SSDConfig, 
     key = (id(target), id(draft), str(device), batch, greedy, config.compile, config.compile_target)
     prior = Acceptance(alpha=0.7 if greedy else 0.6)
     return Controller(costs, memory_for(key), batch, allowed, prior, fixed_alpha=config.alpha,
-                      process_ready=process_ready)
+                      process_ready=process_ready, plain_compiled=config.compile_target)

@@ -241,3 +241,44 @@ def test_plain_is_not_calibrated_by_compiled_plans_and_its_hand_off_is_measured(
                       pad_token_id=0)
     measured = memory.round_s[Plan("plain")]
     assert measured.n == 8 and 0 < measured.value < 5
+
+
+def test_a_compiled_target_calibrates_plain_too():
+    """With ssd_compile_target a plain choice runs compiled as well, so a compiled speed-up measured on other plans
+    carries over to plain, as to every family that has not run."""
+    ctl = Controller(costs(), Memory(), 1, {}, fixed_alpha=0.8, plain_compiled=True)
+    sync = Plan("sync", 4)
+    fast = Ema()
+    fast.add(0.4 * ctl.model(sync).round_s, count=8)
+    ctl.memory.round_s[sync] = fast
+    assert ctl.predict(Plan("plain")).round_s == pytest.approx(0.4 * ctl.model(Plan("plain")).round_s)
+
+
+def test_plain_choice_with_a_compiled_target_runs_transformers_compiled_loop(monkeypatch):
+    """ssd_compile_target=True and a plain first choice: transformers' loop on a static cache with its decode step
+    compiled (the user asked for a compiled target), same tokens as plain generate(), and ssd_stats say so. A call
+    that compiled does not price plain (its time is mostly compiling); the next one does."""
+    from torch._dynamo.utils import counters
+
+    from hf_ssd import session
+    from hf_ssd.control import controller as ctl_mod
+
+    memory = Memory()
+    monkeypatch.setattr(session, "memory_for", lambda key: memory)
+    monkeypatch.setattr(ctl_mod.Controller, "decide",
+                        lambda self, current=None: ctl_mod.Decision(Plan("plain"), "test: plain is fastest", []))
+    p = get_pair("llama")
+    ids = prompt(6, seed=3)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    ref = p.target.generate(ids, **kw)
+    graphs = counters["stats"]["unique_graphs"]
+    out = p.target.generate(ids, assistant_model=p.related, ssd=True, ssd_compile_target=True,
+                            return_dict_in_generate=True, **kw)
+    assert torch.equal(out.sequences, ref)
+    assert "(static cache, compiled)" in out.ssd_stats["controller"]["reason"]
+    assert counters["stats"]["unique_graphs"] > graphs  # the decode step went through torch.compile
+    assert Plan("plain") not in memory.round_s
+    graphs = counters["stats"]["unique_graphs"]
+    again = p.target.generate(ids, assistant_model=p.related, ssd=True, ssd_compile_target=True, **kw)
+    assert torch.equal(again, ref) and counters["stats"]["unique_graphs"] == graphs
+    assert memory.round_s[Plan("plain")].n == 8  # the call's seconds per token, weighted as 8 rounds

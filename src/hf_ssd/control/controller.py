@@ -90,11 +90,13 @@ class Decision:
 
 class Controller:
     def __init__(self, costs: Costs, memory: Memory, batch: int, allowed: dict, prior: Acceptance | None = None,
-                 fixed_alpha: float | None = None, process_ready: bool = False):
+                 fixed_alpha: float | None = None, process_ready: bool = False, plain_compiled: bool = False):
         """allowed: constraints from explicit options, e.g. {"mode": ("ssd",), "K": (4,), "budget": 8,
         "int8": False, "worker": "thread", "threads": (1, 1)}; absent keys are free. process_ready: a kept draft
-        process is up (workers.pool), so process-worker plans are candidates beside the thread's."""
+        process is up (workers.pool), so process-worker plans are candidates beside the thread's. plain_compiled:
+        a plain choice runs compiled too (ssd_compile_target), so plain shares the other plans' calibration."""
         self.costs, self.memory, self.batch = costs, memory, batch
+        self.plain_compiled = plain_compiled
         self.allowed = allowed
         self.prior = prior or Acceptance()
         self.fixed_alpha = fixed_alpha
@@ -140,13 +142,14 @@ class Controller:
         eager forwards, and compiled forwards (ssd_compile) are faster for every family alike, while a slowdown
         (contention on one side's cores) may be the measured family's own. So each family is tried at most once
         before its own measurements take over, and never looks worse than the model says before it has run.
-        Plain decoding is the exception: chosen first, it runs transformers' own eager loop, as the model prices it."""
+        Plain decoding is the exception unless the target is compiled: chosen first, it runs transformers' own eager
+        loop, as the model prices it."""
         ratios = {plan: measured.value / max(self.model(plan).round_s, 1e-9)
                   for plan, measured in self.memory.round_s.items() if measured.n >= MIN_ROUNDS}
         own = [r for plan, r in ratios.items() if family(plan) == mode]
         if own:
             return statistics.median(own)
-        if mode == "plain" or not ratios:
+        if (mode == "plain" and not self.plain_compiled) or not ratios:
             return 1.0
         return min(1.0, statistics.median(ratios.values()))
 

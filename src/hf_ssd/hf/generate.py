@@ -19,6 +19,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_ssd.config import SSDConfig, config_from_kwargs
 from hf_ssd.control.controller import record_plain
+from hf_ssd.hf.compiled_plain import compiled_graphs, use_static_cache
 from hf_ssd.workers.process import DraftProcess
 from hf_ssd.session import run_session
 from hf_ssd.hf.validate import check_generation, check_pair
@@ -176,12 +177,17 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
         if rows is None:  # the controller chose plain decoding: transformers' own loop (it ends the streamer)
             handed_off = True
             _set_rng_state(input_ids.device, rng)  # the same seed gives plain generate()'s very samples
-            start = time.perf_counter()
+            if config.compile_target:  # the user asked for a compiled target: plain on transformers' compiled path
+                why_not = use_static_cache(model, generation_config, model_kwargs)
+                stats.controller["reason"] += (" (static cache, compiled)" if why_not is None
+                                               else f" (eager: a compiled plain loop could not be set up: {why_not})")
+            start, graphs = time.perf_counter(), compiled_graphs()
             result = GenerationMixin._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                              synced_gpus=False, streamer=streamer, **model_kwargs)
             stats.wall_time = time.perf_counter() - start
             sequences = result if isinstance(result, torch.Tensor) else result.sequences
-            record_plain(stats.controller_memory, stats.wall_time, sequences.shape[1] - input_ids.shape[1])
+            if compiled_graphs() == graphs:  # a run that compiled would price plain by its compile time
+                record_plain(stats.controller_memory, stats.wall_time, sequences.shape[1] - input_ids.shape[1])
     finally:
         if streamer is not None and not handed_off:
             streamer.end()

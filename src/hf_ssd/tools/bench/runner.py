@@ -33,6 +33,7 @@ import torch
 
 from hf_ssd.tools.bench.aggregate import (add_speedups, aggregate_repeats, aggregate_runs, greedy_equal,  # noqa: F401
                                           safe_div)
+from hf_ssd.hf.compiled_plain import compiled_graphs, static_compile_config
 from hf_ssd.testing import left_pad
 from hf_ssd.tools.bench.simulate import _alpha_for
 from hf_ssd.tools.bench.workload import load_bench_prompts, load_models, new_tokens
@@ -224,31 +225,6 @@ def _set_hf_schedule(draft, name: str, K: int) -> dict[str, Any]:
     for k, v in params.items():
         setattr(gc, k, v)
     return saved
-
-
-def static_compile_config(model):
-    """The compile_config for plain:static-compile, following transformers' CompileConfig docs: generate() with
-    cache_implementation="static" compiles the decode step itself (the prefill stays eager). transformers does that
-    automatically on CUDA (mode "reduce-overhead": CUDA graphs); on other devices only when the config's
-    `_compile_all_devices` flag is set, which is how CompileConfig says to compile on e.g. CPU (mode "default" there:
-    no CUDA graphs). dynamic=True as in CompileConfig's own example: one graph serves every prompt length and
-    max_new_tokens, so the warm-up compiles for all the timed runs."""
-    from transformers import CompileConfig
-
-    cuda = model.device.type == "cuda"
-    cc = CompileConfig(fullgraph=False, dynamic=True, mode="reduce-overhead" if cuda else "default")
-    if not cuda:
-        cc._compile_all_devices = True
-    return cc
-
-
-def compiled_graphs() -> int:
-    """Graphs torch.compile has built in this process so far (0 when torch._dynamo is unavailable)."""
-    try:
-        from torch._dynamo.utils import counters
-    except Exception:
-        return 0
-    return int(counters["stats"]["unique_graphs"])
 
 
 def generate_once(method: Method, target, draft, ids, mask, *, cfg: BenchConfig, setting: str, temperature: float,

@@ -1,0 +1,53 @@
+"""Plain decoding on transformers' own compiled fast path: a static cache plus a `compile_config`.
+
+It serves the bench's `plain:static-compile` baseline, and the controller's plain hand-off when the user asked for
+a compiled target (`ssd_compile_target=True`): then a plain choice runs as fast as plain decoding can here, not
+on transformers' eager loop.
+"""
+from __future__ import annotations
+
+from transformers import Cache, StaticCache
+
+
+def static_compile_config(model):
+    """The compile_config for generate() with cache_implementation="static", following transformers' CompileConfig
+    docs: the decode step itself is compiled (the prefill stays eager). transformers does that automatically on
+    CUDA (mode "reduce-overhead": CUDA graphs); on other devices only when the config's `_compile_all_devices` flag
+    is set, which is how CompileConfig says to compile on e.g. CPU (mode "default" there: no CUDA graphs).
+    dynamic=True as in CompileConfig's own example: one graph serves every prompt length and max_new_tokens."""
+    from transformers import CompileConfig
+
+    cuda = model.device.type == "cuda"
+    cc = CompileConfig(fullgraph=False, dynamic=True, mode="reduce-overhead" if cuda else "default")
+    if not cuda:
+        cc._compile_all_devices = True
+    return cc
+
+
+def use_static_cache(model, generation_config, model_kwargs: dict) -> str | None:
+    """Swap the dynamic cache generate() prepared for a static one of `max_length` slots and set the compile config,
+    so transformers' decoding loop compiles its decode step. Returns None when done, else why it could not (the
+    loop then runs eagerly, still exact)."""
+    names = [k for k in ("cache", "past_key_values") if isinstance(model_kwargs.get(k), Cache)]
+    if not names:
+        return "no cache to replace"
+    if model_kwargs[names[0]].get_seq_length() > 0:
+        return "the cache given already holds tokens"
+    try:
+        cache = StaticCache(config=model.config.get_text_config(decoder=True),
+                            max_cache_len=generation_config.max_length)
+    except Exception as exc:  # noqa: BLE001 - an older or newer StaticCache signature: stay on the eager loop
+        return f"{type(exc).__name__}: {exc}"
+    model_kwargs[names[0]] = cache
+    generation_config.compile_config = static_compile_config(model)
+    return None
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far (0 when torch._dynamo is unavailable): a call that
+    raised it compiled, and its time is not the loop's."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:
+        return 0
+    return int(counters["stats"]["unique_graphs"])
