@@ -118,7 +118,7 @@ def run_session(
             max_length = generation_config.max_length
             in_process = worker is None and plan_config.worker != "process"  # a process worker builds its own
             kv = static_draft_cache(model, plan_config, B, max_length, K, plan.budget, vocab) if in_process else None
-            process = worker if worker is not None else (pooled if plan.worker == "process" else None)
+            process = worker if worker is not None else (pooled if plan.worker == "process" and not plan.int8 else None)
             return make_drafter(plan_config, draft_model(B, config.downweight, kv), stats, plan.budget, greedy, process,
                                 max_length)
 
@@ -139,8 +139,13 @@ def run_session(
 
     threads_before = torch.get_num_threads()  # plans may set their own; the caller's setting comes back at the end
     plan = fixed_plan(config, d_device)
-    # a kept draft process (workers.pool) the controller may choose, when the options leave the worker to it
-    pooled = pool.ready(draft) if plan is None and worker is None and config.worker == "auto" else None
+    # a kept draft process (workers.pool): one the controller may choose when the options leave the worker to it,
+    # and the one an explicit full-precision ssd_worker="process" runs on (started at its first call)
+    pooled = None
+    if worker is None and config.worker == "auto" and plan is None:
+        pooled = pool.ready(draft)
+    elif worker is None and config.worker == "process" and config.mode != "sync" and config.draft_quantize != "int8":
+        pooled = pool.kept(draft)
     wanted = None  # a process-worker plan predicted to pay: start a kept process when this generation ends
     if plan is not None:
         drafter = build(plan)
@@ -192,7 +197,8 @@ def _ask_for_process(draft, wanted, pooled, stats: SSDStats, chosen: Plan | None
     """Record the kept process's part in ssd_stats, and start one (after the generation: see workers.pool) when the
     controller predicted a process-worker plan clearly faster than the one it ran."""
     if pooled is not None:
-        stats.controller["process_worker"] = "a kept draft process was up, so process-worker plans were candidates"
+        stats.controller["process_worker"] = ("a kept draft process was up, so process-worker plans were candidates "
+                                              "(and ran on it)")
     elif wanted is not None:
         what = pool.start(draft)
         stats.controller["process_worker"] = (

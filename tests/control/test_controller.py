@@ -281,4 +281,51 @@ def test_plain_choice_with_a_compiled_target_runs_transformers_compiled_loop(mon
     graphs = counters["stats"]["unique_graphs"]
     again = p.target.generate(ids, assistant_model=p.related, ssd=True, ssd_compile_target=True, **kw)
     assert torch.equal(again, ref) and counters["stats"]["unique_graphs"] == graphs
-    assert memory.round_s[Plan("plain")].n == 8  # the call's seconds per token, weighted as 8 rounds
+    assert memory.round_s[Plan("plain")].n == 7  # seconds per decode step (the prefill's token left out)
+
+
+def test_measuring_the_pair_leaves_the_callers_rng_alone():
+    """The cost probe runs forwards on token ids of its own: a seeded generate() draws the same samples whether its
+    call measured the pair or found the costs cached."""
+    from hf_ssd.control.costs import measure_costs
+
+    p = get_pair("llama")
+    torch.manual_seed(11)
+    expected = torch.rand(3)
+    torch.manual_seed(11)
+    measure_costs(p.target, p.related, batch=1, n_max=4)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_measured_tokens_per_round_replace_the_models():
+    """An SSD plan whose rounds commit fewer tokens than the acceptance model says (misses served by the n-gram
+    backup) is priced by what it committed, and so are the untried plans of its family; plain then wins."""
+    ctl = controller(costs(), alpha=0.8, batch=4)
+    ssd = ctl.decide().plan
+    assert ssd.mode == "ssd"
+    modelled = ctl.model(ssd)
+    rounds, tokens = Ema(), Ema(outlier=None)
+    rounds.add(modelled.round_s, count=8)
+    tokens.add(1.05, count=8)  # per row: barely more than plain's one token
+    ctl.memory.round_s[ssd], ctl.memory.tokens[ssd] = rounds, tokens
+    assert ctl.predict(ssd).tokens_per_round == pytest.approx(4 * 1.05)
+    sibling = next(p for p in ctl.plans if p.mode == "ssd" and p != ssd)
+    ratio = 4 * 1.05 / modelled.tokens_per_round
+    assert ctl.predict(sibling).tokens_per_round == pytest.approx(ratio * ctl.model(sibling).tokens_per_round)
+    sync = Plan("sync", 4)
+    assert ctl.predict(sync).tokens_per_round == pytest.approx(ctl.model(sync).tokens_per_round)  # its own family
+    assert ctl.decide().plan.mode != "ssd"
+
+
+def test_decode_clock_leaves_the_prefill_out(monkeypatch):
+    """The plain hand-off's clock starts at the prefill's logits: (end - first) / (new tokens - 1) per step."""
+    from hf_ssd.hf import plain_hand_off
+
+    clock = plain_hand_off.DecodeClock()
+    monkeypatch.setattr(plain_hand_off.time, "perf_counter", lambda: 10.0)
+    scores = torch.zeros(1, 5)
+    assert clock(None, scores) is scores
+    monkeypatch.setattr(plain_hand_off.time, "perf_counter", lambda: 99.0)
+    clock(None, scores)
+    assert clock.seconds_per_step(13.0, 4) == pytest.approx(1.0)
+    assert clock.seconds_per_step(13.0, 1) is None

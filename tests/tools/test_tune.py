@@ -57,3 +57,19 @@ def test_tune_writes_a_config_that_generate_picks_up(tmp_path, monkeypatch):
     assert torch.equal(out.sequences, plain_generate(target, ids, max_new_tokens=12,
                                                      pad_token_id=target.generation_config.pad_token_id))
     assert out.ssd_stats["mode"] == tuned.mode and out.ssd_stats["controller"] is None  # nothing left to choose
+
+
+def test_tune_tries_process_plans_where_a_kept_process_can_start(tmp_path, monkeypatch):
+    """Where a kept draft process can be started, tune times the best SSD plan of each worker (thread and process);
+    a written process plan runs on the draft's kept process."""
+    from hf_ssd.workers import pool
+
+    monkeypatch.setenv(pool.ENV, "1")
+    try:
+        assert main(["tune", "--tiny", "--out", str(tmp_path), "--modes", "ssd", "--prompts", "1",
+                     "--max-new-tokens", "8", "--repeats", "1", "--top", "1"]) == 0
+    finally:
+        pool.close_all()
+    table = json.loads((tmp_path / "ssd_tune.json").read_text())
+    assert sorted(r["options"]["worker"] for r in table["tried"]) == ["process", "thread"]
+    assert table["check"]["median_tok_s"] > 0

@@ -107,3 +107,27 @@ def test_kept_process_serves_the_controllers_plans_exactly(monkeypatch):
     finally:
         pool.close_all()
     assert pool.status(p.related) is None
+
+
+def test_explicit_process_worker_keeps_its_process_across_calls(monkeypatch):
+    """ssd_worker="process" with every option set: the first call starts the draft's kept process, later calls run
+    on the same one (no start-up per call), and the output is plain generate()'s. With the pool off, each call
+    starts its own process, as before."""
+    monkeypatch.setenv(pool.ENV, "1")
+    p = get_pair("llama")
+    ids = prompt(6, seed=21)
+    ref = plain_generate(p.target, ids, max_new_tokens=16)
+    kw = dict(assistant_model=p.related, ssd=True, ssd_mode="ssd", ssd_worker="process", ssd_num_draft_tokens=3,
+              ssd_budget=6, ssd_draft_quantize=None, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    try:
+        pids = []
+        for _ in range(2):
+            assert torch.equal(p.target.generate(ids, **kw), ref)
+            pids.append(pool.ready(p.related).process.pid)
+        assert pids[0] == pids[1]
+        pool.close_all()
+        monkeypatch.setenv(pool.ENV, "0")
+        assert torch.equal(p.target.generate(ids, **kw), ref)
+        assert pool.status(p.related) is None  # nothing kept: that call's process ended with it
+    finally:
+        pool.close_all()

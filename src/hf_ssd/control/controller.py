@@ -27,10 +27,11 @@ START = 3  # the average starts at the median of the first rounds, so a first-ro
 class Ema:
     """Exponential moving average of round times, robust to one-off stalls: it starts at the median of its first
     START observations, and later ones above OUTLIER times the average are skipped, unless 3 come in a row (then
-    the plan really got slower)."""
+    the plan really got slower). `outlier=None`: no skipping (for quantities that have no stalls)."""
 
-    def __init__(self, weight: float = 0.2):
+    def __init__(self, weight: float = 0.2, outlier: float | None = OUTLIER):
         self.weight, self.value, self.n = weight, None, 0
+        self.outlier = outlier
         self.first: list[float] = []
         self.outliers = 0
 
@@ -44,7 +45,7 @@ class Ema:
             self.value = statistics.median(self.first)
             self.n += 1
             return
-        if x > OUTLIER * self.value and self.outliers < 2:
+        if self.outlier is not None and x > self.outlier * self.value and self.outliers < 2:
             self.outliers += 1
             return
         self.outliers = 0
@@ -61,6 +62,7 @@ class Memory:
     hits: float = 0.0
     lookups: float = 0.0
     round_s: dict[Plan, Ema] = field(default_factory=dict)  # measured seconds per round, per plan that ran
+    tokens: dict[Plan, Ema] = field(default_factory=dict)  # measured tokens per row per round, per plan that ran
 
     def alpha(self, prior: float) -> float:
         weight = 8.0  # pseudo-observations of the prior
@@ -74,11 +76,11 @@ def memory_for(key: tuple) -> Memory:
     return _MEMORY.setdefault(key, Memory())
 
 
-def record_plain(memory: Memory, seconds: float, steps: int) -> None:
-    """A plain decoding run outside our round loop (transformers' own, after a hand-off) took `seconds` for `steps`
-    target steps: its measured round time, so a plain choice is checked like any other."""
+def record_plain(memory: Memory, step_s: float, steps: int) -> None:
+    """A plain decoding run outside our round loop (transformers' own, after a hand-off) took `step_s` seconds per
+    decode step over `steps` steps: its measured round time, so a plain choice is checked like any other."""
     if steps > 0:
-        memory.round_s.setdefault(Plan("plain"), Ema()).add(seconds / steps, count=min(steps, 8))
+        memory.round_s.setdefault(Plan("plain"), Ema()).add(step_s, count=min(steps, 8))
 
 
 @dataclass
@@ -153,6 +155,14 @@ class Controller:
             return 1.0
         return min(1.0, statistics.median(ratios.values()))
 
+    def yield_calibration(self, mode: str) -> float:
+        """Measured / modelled tokens per round of the plans of `mode` (a plan `family`) that ran, 1 if none did. The
+        model's tokens per round assume every round drafts as well as the primary draft; an SSD round that missed
+        and took the n-gram backup commits fewer, which only the measured rounds show."""
+        ratios = [measured.value * self.batch / max(self.model(plan).tokens_per_round, 1e-9)
+                  for plan, measured in self.memory.tokens.items() if measured.n >= MIN_ROUNDS and family(plan) == mode]
+        return statistics.median(ratios) if ratios else 1.0
+
     def predict(self, plan: Plan) -> Prediction:
         pred = self.model(plan)
         measured = self.memory.round_s.get(plan)
@@ -161,6 +171,11 @@ class Controller:
             pred.parts = {**pred.parts, "measured_round": measured.value}
         else:
             pred.round_s *= self.calibration(family(plan))
+        tokens = self.memory.tokens.get(plan)
+        if tokens is not None and tokens.n >= MIN_ROUNDS:
+            pred.tokens_per_round = tokens.value * self.batch
+        elif plan.mode != "plain":
+            pred.tokens_per_round *= self.yield_calibration(family(plan))
         if plan.mode == "ssd" and measured is not None and self.memory.lookups >= 20:
             pred.p_hit = self.memory.hits / self.memory.lookups  # for the record: the measured round includes misses
         return pred

@@ -61,6 +61,13 @@ class Costs:
         return self.target_split if split else self.target_all
 
 
+def probe_ids(vocab: int, batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """Token ids to time forwards with, from a generator of their own: measuring must not move the caller's RNG
+    (a seeded generate() draws the same samples whether or not this call measured the pair)."""
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab, (batch, length), generator=gen).to(device)
+
+
 def time_forward(model: PreTrainedModel, batch: int, n: int, prefix: int = 8, repeats: int = 2) -> float:
     """Best-of-`repeats` seconds of one forward of `n` new tokens per row after a cached `prefix`."""
     device = input_device(model)
@@ -68,7 +75,7 @@ def time_forward(model: PreTrainedModel, batch: int, n: int, prefix: int = 8, re
     limit = position_limit(model)
     if limit is not None:  # a learned position table: stay inside it (n itself is kept: it sets the line's slope)
         prefix = max(0, min(prefix, limit - n))
-    ids = torch.randint(0, vocab, (batch, prefix + n), device=device)
+    ids = probe_ids(vocab, batch, prefix + n, device)
     best = float("inf")
     cache = DynamicCache()
     cache_kw = cache_argument(model)
@@ -104,7 +111,7 @@ def _forwards(model: PreTrainedModel, batch: int, n: int, repeats: int, threads:
     if threads is not None:
         torch.set_num_threads(threads)
     device = input_device(model)
-    ids = torch.randint(0, model.config.get_text_config().vocab_size, (batch, 8 + n), device=device)
+    ids = probe_ids(model.config.get_text_config().vocab_size, batch, 8 + n, device)
     cache, kw = DynamicCache(), cache_argument(model)
     with torch.no_grad():
         model(input_ids=ids[:, :8], use_cache=True, **{kw: cache})

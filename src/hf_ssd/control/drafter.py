@@ -84,6 +84,8 @@ class ControlledDrafter(Drafter):
         self.memory.rejected += float((k[drafted] < n[drafted]).sum())
         if self.last_start is not None:
             self.memory.round_s.setdefault(self.plan, Ema()).add(now - self.last_start)
+            # tokens each row committed: the backup's weaker proposals after a miss and the like are in here
+            self.memory.tokens.setdefault(self.plan, Ema(outlier=None)).add(float((k + 1).float().mean()))
         self.last_start = now
 
     def _switch(self, decision, verdict: Verdict) -> DraftResult:

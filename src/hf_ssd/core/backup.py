@@ -43,13 +43,12 @@ class BackupPolicy:
     def threshold(self) -> int:
         if self.fixed_threshold is not None:
             return self.fixed_threshold
-        v = self.t_verify.value or 1.0
+        v = max(self.t_verify.value or 1.0, 1e-9)
         tree = self.t_tree.value if self.t_tree.value is not None else v
         # a JIT backup not run yet: K single-token draft steps, against the tree's K + 1 forwards (an optimistic
         # guess, so it gets tried and measured)
         jit = self.t_jit.value if self.t_jit.value is not None else tree * self.K / (self.K + 1)
         fast = self.t_fast.value or 0.0
-        v = max(v, 1e-9)
         return backup_threshold(
             self.p_hit.value, tree / v, jit / v, fast / v,
             self.tokens["cache"].value, self.tokens["jit"].value, self.tokens["ngram"].value, max_batch=4096,

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import GenerationMixin, StoppingCriteriaList
+from transformers import GenerationMixin, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_ssd.config import SSDConfig, config_from_kwargs
 from hf_ssd.control.controller import record_plain
-from hf_ssd.hf.compiled_plain import compiled_graphs, use_static_cache
+from hf_ssd.hf.plain_hand_off import DecodeClock, compiled_graphs, use_static_cache
 from hf_ssd.workers.process import DraftProcess
 from hf_ssd.session import run_session
 from hf_ssd.hf.validate import check_generation, check_pair
@@ -181,13 +181,16 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
                 why_not = use_static_cache(model, generation_config, model_kwargs)
                 stats.controller["reason"] += (" (static cache, compiled)" if why_not is None
                                                else f" (eager: a compiled plain loop could not be set up: {why_not})")
-            start, graphs = time.perf_counter(), compiled_graphs()
-            result = GenerationMixin._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                                             synced_gpus=False, streamer=streamer, **model_kwargs)
-            stats.wall_time = time.perf_counter() - start
+            start, graphs, clock = time.perf_counter(), compiled_graphs(), DecodeClock()
+            result = GenerationMixin._sample(model, input_ids, LogitsProcessorList([*logits_processor, clock]),
+                                             stopping_criteria, generation_config, synced_gpus=False,
+                                             streamer=streamer, **model_kwargs)
+            end = time.perf_counter()
+            stats.wall_time = end - start
             sequences = result if isinstance(result, torch.Tensor) else result.sequences
-            if compiled_graphs() == graphs:  # a run that compiled would price plain by its compile time
-                record_plain(stats.controller_memory, stats.wall_time, sequences.shape[1] - input_ids.shape[1])
+            step_s = clock.seconds_per_step(end, sequences.shape[1] - input_ids.shape[1])
+            if step_s is not None and compiled_graphs() == graphs:  # a run that compiled would price plain by it
+                record_plain(stats.controller_memory, step_s, sequences.shape[1] - input_ids.shape[1] - 1)
     finally:
         if streamer is not None and not handed_off:
             streamer.end()

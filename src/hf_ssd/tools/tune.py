@@ -1,7 +1,8 @@
 """`hf-ssd tune` and `hf-ssd doctor`: measure a model pair on this machine.
 
 doctor: the cost probe, in plain words, and what the controller would choose.
-tune:   also times real generations of the controller's best plans of each mode (plain, sync SD, SSD) on tuning
+tune:   also times real generations of the controller's best plans of each mode (plain, sync SD, SSD on a thread
+        and, where a kept draft process can be started, in a process) on tuning
         prompts, keeps the fastest, and writes it as an SSDConfig (ssd_config.json) that generate() picks up from
         the model directory, with a table of everything it tried. The tuning prompts come from HumanEval; report
         speed on other prompt sets (`hf-ssd bench --prompt-set mtbench`), never on the ones tuned on.
@@ -24,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=3, help="tuning prompts (HumanEval)")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=2, help="timed runs per plan (the median counts)")
-    p.add_argument("--top", type=int, default=2, help="plans tried per mode, best predicted first")
+    p.add_argument("--top", type=int, default=2, help="plans tried per mode (per SSD worker), best predicted first")
     p.add_argument("--out", default=None, help="where to write ssd_config.json (default: the target's model dir)")
     p.add_argument("--modes", default="plain,sync,ssd", help="plans to try, e.g. sync,ssd (default: all)")
     p.add_argument("--push-to-hub", default=None, metavar="REPO", help="also upload the config to this Hub repo")
@@ -74,12 +75,17 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from hf_ssd.config import SSDConfig
+    from hf_ssd.control.controller import family
     from hf_ssd.control.explain import diagnose
     from hf_ssd.session import make_controller
+    from hf_ssd.workers import pool
 
     target, draft, tokenizer = load(args)
     device = target.get_input_embeddings().weight.device
-    controller = make_controller(target, draft, args.batch, True, SSDConfig(), device, None)
+    # process-worker plans are tried where a kept draft process can be started (a written config that names one
+    # runs on the draft's kept process, started at its first call)
+    processes = pool.spawn_hazard() is None
+    controller = make_controller(target, draft, args.batch, True, SSDConfig(), device, None, process_ready=processes)
     print(f"measured the pair in {controller.costs.probe_s:.1f} s")
     for line in diagnose(controller.costs, controller):
         print("-", line)
@@ -87,9 +93,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     batches = tuning_batches(tokenizer, args.prompts, args.batch)
     preds = sorted((controller.predict(p) for p in controller.plans), key=lambda x: -x.tokens_per_s)
-    shortlist = []
+    shortlist = []  # the best `top` plans of each family (plain, sync, ssd on a thread, ssd in a process)
     for mode in args.modes.split(","):
-        shortlist += [p for p in preds if p.plan.mode == mode][: args.top]
+        families = dict.fromkeys(family(p.plan) for p in preds if p.plan.mode == mode)
+        for fam in families:
+            shortlist += [p for p in preds if family(p.plan) == fam][: args.top]
     # warm-up: kernels, the int8 copy, worker threads
     target.generate(**batches[0], max_new_tokens=4, do_sample=False)
     tried = []

@@ -59,7 +59,7 @@ def ready(draft):
     if kept is None or kept.draft() is not draft or kept.process is None:
         return None
     process = kept.process
-    if process.closed or not process.process.is_alive() or process._lock.locked():
+    if process.closed or not process.process.is_alive() or process.busy:
         return None
     return process
 
@@ -93,6 +93,15 @@ def wait(draft, timeout_s: float = 600.0) -> str | None:
     if kept is not None:
         kept.thread.join(timeout_s)
     return status(draft)
+
+
+def kept(draft, timeout_s: float = 600.0):
+    """For an explicit `ssd_worker="process"`: `draft`'s kept process, started (and waited for) now if need be, so
+    that only the first such call pays the start-up. None when it cannot be kept here (see `spawn_hazard`) or
+    another thread's generation is using it: the call then starts a process of its own, as without a pool."""
+    if ready(draft) is None and start(draft).startswith("starting"):
+        wait(draft, timeout_s)
+    return ready(draft)
 
 
 @atexit.register

@@ -241,6 +241,11 @@ class DraftProcess:
             self.release()
             raise
 
+    @property
+    def busy(self) -> bool:
+        """Is a generation (in any thread) holding the process right now?"""
+        return self._lock.locked()
+
     def release(self) -> None:
         if self._owner == threading.get_ident():
             self._owner = None

@@ -33,7 +33,7 @@ import torch
 
 from hf_ssd.tools.bench.aggregate import (add_speedups, aggregate_repeats, aggregate_runs, greedy_equal,  # noqa: F401
                                           safe_div)
-from hf_ssd.hf.compiled_plain import compiled_graphs, static_compile_config
+from hf_ssd.hf.plain_hand_off import compiled_graphs, static_compile_config
 from hf_ssd.testing import left_pad
 from hf_ssd.tools.bench.simulate import _alpha_for
 from hf_ssd.tools.bench.workload import load_bench_prompts, load_models, new_tokens

@@ -1,12 +1,16 @@
-"""Plain decoding on transformers' own compiled fast path: a static cache plus a `compile_config`.
+"""The controller's plain hand-off: plain decoding on transformers' own loop, timed per decode step.
 
-It serves the bench's `plain:static-compile` baseline, and the controller's plain hand-off when the user asked for
-a compiled target (`ssd_compile_target=True`): then a plain choice runs as fast as plain decoding can here, not
-on transformers' eager loop.
+- With `ssd_compile_target=True` the loop runs on transformers' compiled fast path (a static cache plus a
+  `compile_config`, also the bench's `plain:static-compile` baseline), so a plain choice runs as fast as plain
+  decoding can here, not on the eager loop.
+- `DecodeClock` times the decode steps alone: a call's wall time also holds the prompt's prefill, which would
+  price plain decoding too high (most of all for short generations and long prompts).
 """
 from __future__ import annotations
 
-from transformers import Cache, StaticCache
+import time
+
+from transformers import Cache, LogitsProcessor, StaticCache
 
 
 def static_compile_config(model):
@@ -51,3 +55,21 @@ def compiled_graphs() -> int:
     except Exception:
         return 0
     return int(counters["stats"]["unique_graphs"])
+
+
+class DecodeClock(LogitsProcessor):
+    """A logits processor that changes nothing and notes when the first logits (the prefill's) came: from then on
+    every step is a decode step. `seconds_per_step(end, steps)`: decode seconds per new token after the first."""
+
+    def __init__(self):
+        self.first: float | None = None
+
+    def __call__(self, input_ids, scores):
+        if self.first is None:
+            self.first = time.perf_counter()
+        return scores
+
+    def seconds_per_step(self, end: float, new_tokens: int) -> float | None:
+        if self.first is None or new_tokens < 2:
+            return None
+        return (end - self.first) / (new_tokens - 1)
