@@ -299,7 +299,7 @@ def test_measuring_the_pair_leaves_the_callers_rng_alone():
 
 def test_measured_tokens_per_round_replace_the_models():
     """An SSD plan whose rounds commit fewer tokens than the acceptance model says (misses served by the n-gram
-    backup) is priced by what it committed, and so are the untried plans of its family; plain then wins."""
+    backup) is priced by what it committed, and so are the untried SSD plans (any worker); plain then wins."""
     ctl = controller(costs(), alpha=0.8, batch=4)
     ssd = ctl.decide().plan
     assert ssd.mode == "ssd"

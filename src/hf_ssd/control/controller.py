@@ -156,11 +156,12 @@ class Controller:
         return min(1.0, statistics.median(ratios.values()))
 
     def yield_calibration(self, mode: str) -> float:
-        """Measured / modelled tokens per round of the plans of `mode` (a plan `family`) that ran, 1 if none did. The
-        model's tokens per round assume every round drafts as well as the primary draft; an SSD round that missed
-        and took the n-gram backup commits fewer, which only the measured rounds show."""
+        """Measured / modelled tokens per round of the plans of `mode` that ran, 1 if none did (whatever the worker:
+        it changes when the tokens come, not how many). The model's tokens per round assume every round drafts as
+        well as the primary draft; an SSD round that missed and took the n-gram backup commits fewer, which only the
+        measured rounds show."""
         ratios = [measured.value * self.batch / max(self.model(plan).tokens_per_round, 1e-9)
-                  for plan, measured in self.memory.tokens.items() if measured.n >= MIN_ROUNDS and family(plan) == mode]
+                  for plan, measured in self.memory.tokens.items() if measured.n >= MIN_ROUNDS and plan.mode == mode]
         return statistics.median(ratios) if ratios else 1.0
 
     def predict(self, plan: Plan) -> Prediction:
@@ -175,7 +176,7 @@ class Controller:
         if tokens is not None and tokens.n >= MIN_ROUNDS:
             pred.tokens_per_round = tokens.value * self.batch
         elif plan.mode != "plain":
-            pred.tokens_per_round *= self.yield_calibration(family(plan))
+            pred.tokens_per_round *= self.yield_calibration(plan.mode)
         if plan.mode == "ssd" and measured is not None and self.memory.lookups >= 20:
             pred.p_hit = self.memory.hits / self.memory.lookups  # for the record: the measured round includes misses
         return pred
