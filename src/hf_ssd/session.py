@@ -172,7 +172,7 @@ def run_session(
                 _ask_for_process(draft, wanted, pooled, stats, first.plan)
                 stats.controller_memory = controller.memory
                 return None, stats
-            drafter = ControlledDrafter(controller, build, stats, first)
+            drafter = ControlledDrafter(controller, build, stats, first, disturbed=pool.starting)
     try:  # from here on the drafter is closed whatever happens (it may hold a kept DraftProcess)
         target_kv = None
         if config.compile_target:

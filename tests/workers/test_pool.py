@@ -131,3 +131,21 @@ def test_explicit_process_worker_keeps_its_process_across_calls(monkeypatch):
         assert pool.status(p.related) is None  # nothing kept: that call's process ended with it
     finally:
         pool.close_all()
+
+
+def test_timings_taken_while_a_process_starts_are_not_recorded(monkeypatch):
+    """A kept process's start-up takes CPU from the generations running meanwhile: their round times (and a plain
+    hand-off's step time) are not the plans' own, so the controller does not learn them."""
+    from hf_ssd import session
+    from hf_ssd.control import controller as ctl_mod
+
+    memory = Memory()
+    monkeypatch.setattr(session, "memory_for", lambda key: memory)
+    monkeypatch.setattr(pool, "starting", lambda: True)
+    p = get_pair("llama")
+    for plan in (Plan("sync", 2), Plan("plain")):
+        monkeypatch.setattr(ctl_mod.Controller, "decide", lambda self, current=None, plan=plan: ctl_mod.Decision(
+            plan, "test", []))
+        p.target.generate(prompt(6, seed=5), assistant_model=p.related, ssd=True, max_new_tokens=16,
+                          do_sample=False, pad_token_id=0)
+    assert memory.round_s == {} and memory.accepted > 0  # acceptance is still learned

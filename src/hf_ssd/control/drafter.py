@@ -23,9 +23,11 @@ DECIDE_EVERY = 8  # rounds between re-decisions
 
 class ControlledDrafter(Drafter):
     def __init__(self, controller: Controller, build: Callable[[Plan], Drafter], stats: SSDStats,
-                 decision: Decision | None = None):
-        """decision: the controller's first decision, if the caller made it already."""
+                 decision: Decision | None = None, disturbed: Callable[[], bool] = lambda: False):
+        """decision: the controller's first decision, if the caller made it already. disturbed: is something else
+        taking the hardware right now (then round times are not recorded: they would not be the plan's own)?"""
         self.controller, self.build, self.stats = controller, build, stats
+        self.disturbed = disturbed
         decision = decision or agreed(controller.decide())
         self.plan = decision.plan
         self.record = {"choice": self.plan.label, "reason": decision.reason, "switches": [],
@@ -82,7 +84,7 @@ class ControlledDrafter(Drafter):
         drafted = n > 0
         self.memory.accepted += float(k[drafted].sum())
         self.memory.rejected += float((k[drafted] < n[drafted]).sum())
-        if self.last_start is not None:
+        if self.last_start is not None and not self.disturbed():  # e.g. a draft process starting beside it
             self.memory.round_s.setdefault(self.plan, Ema()).add(now - self.last_start)
             # tokens each row committed: the backup's weaker proposals after a miss and the like are in here
             self.memory.tokens.setdefault(self.plan, Ema(outlier=None)).add(float((k + 1).float().mean()))

@@ -20,6 +20,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from hf_ssd.config import SSDConfig, config_from_kwargs
 from hf_ssd.control.controller import record_plain
 from hf_ssd.hf.plain_hand_off import DecodeClock, compiled_graphs, use_static_cache
+from hf_ssd.workers import pool
 from hf_ssd.workers.process import DraftProcess
 from hf_ssd.session import run_session
 from hf_ssd.hf.validate import check_generation, check_pair
@@ -181,7 +182,7 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
                 why_not = use_static_cache(model, generation_config, model_kwargs)
                 stats.controller["reason"] += (" (static cache, compiled)" if why_not is None
                                                else f" (eager: a compiled plain loop could not be set up: {why_not})")
-            start, graphs, clock = time.perf_counter(), compiled_graphs(), DecodeClock()
+            start, graphs, clock, busy = time.perf_counter(), compiled_graphs(), DecodeClock(), pool.starting()
             result = GenerationMixin._sample(model, input_ids, LogitsProcessorList([*logits_processor, clock]),
                                              stopping_criteria, generation_config, synced_gpus=False,
                                              streamer=streamer, **model_kwargs)
@@ -189,7 +190,8 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
             stats.wall_time = end - start
             sequences = result if isinstance(result, torch.Tensor) else result.sequences
             step_s = clock.seconds_per_step(end, sequences.shape[1] - input_ids.shape[1])
-            if step_s is not None and compiled_graphs() == graphs:  # a run that compiled would price plain by it
+            # a run that compiled, or shared the CPU with a draft process's start-up, would price plain by that
+            if step_s is not None and compiled_graphs() == graphs and not (busy or pool.starting()):
                 record_plain(stats.controller_memory, step_s, sequences.shape[1] - input_ids.shape[1] - 1)
     finally:
         if streamer is not None and not handed_off:

@@ -74,6 +74,12 @@ def status(draft) -> str | None:
     return "ready" if kept.process is not None else "starting"
 
 
+def starting() -> bool:
+    """Is a kept process being started right now? Its start-up (a spawn, the child's imports and weights) takes
+    CPU from whatever runs meanwhile, so timings taken then are not the plans' own."""
+    return any(k.thread.is_alive() for k in list(_KEPT.values()))
+
+
 def start(draft) -> str:
     """Start `draft`'s kept process in the background (once); returns what happened, for ssd_stats."""
     hazard = spawn_hazard()
