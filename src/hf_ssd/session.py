@@ -28,7 +28,7 @@ from hf_ssd.draft.sync import NullDrafter, SyncDrafter
 from hf_ssd.runtime.engine import Engine, RowOutputs
 from hf_ssd.runtime.kv import CachedModel, input_device
 from hf_ssd.runtime.processing import check_processors, with_temperature
-from hf_ssd.runtime.static_kv import static_draft_cache, static_target_cache
+from hf_ssd.runtime.static_choice import static_draft_cache, static_target_cache
 from hf_ssd.runtime.stats import SSDStats
 from hf_ssd.workers import default_worker, make_drafter, pool
 

@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 
 from hf_ssd.config import SSDConfig
 from hf_ssd.runtime import static_kv
+from hf_ssd.runtime.static_choice import static_draft_cache
 
 
 def warmup(
@@ -47,7 +48,7 @@ def warmup(
         raise ValueError("warmup needs the tree budget (branches per row): pass budget=..., as ssd_budget to generate()")
     vocab = target.config.get_text_config().vocab_size
     t0 = time.perf_counter()
-    kv = static_kv.static_draft_cache(draft, config, batch_size, prompt_len + max_new_tokens, K, budget, vocab)
+    kv = static_draft_cache(draft, config, batch_size, prompt_len + max_new_tokens, K, budget, vocab)
     if kv is None:
         return {"compile_s": 0.0, "wall_s": time.perf_counter() - t0, "widths": [], "max_cache_len": None,
                 "compiled": False}

@@ -40,7 +40,6 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, StaticLayer
 
-from hf_ssd.core.tree import tree_width
 from hf_ssd.runtime.kv import attention_layout, cache_argument, input_device, position_limit
 
 COMPILE_ENABLED = True  # False: the static path runs eagerly even when compile is asked for (debugging, tests)
@@ -422,102 +421,6 @@ class StaticCachedModel:
             alive[self._rows_t] = True
             e.alive.copy_(alive)
         self.trim()
-
-
-# ---- when to use it ---------------------------------------------------------------------------------------------------
-MAX_SLOTS = 1 << 16  # beyond this many slots per row the static buffers are not worth it: the dynamic cache is used
-
-
-def _probe_faster(kv: StaticCachedModel, width: int, reps: int = 5) -> bool:
-    """One fixed-shape forward of `width` tokens per row, eager vs compiled (compile time excluded): is compiled
-    faster? The result is kept on the registry entry (so once per process and shapes)."""
-    e = kv.entry
-    if width in e.probe:
-        return e.probe[width]
-    B = kv.batch
-    tokens = torch.zeros(B, width, dtype=torch.long, device=kv.device)
-    positions = torch.arange(width, device=kv.device)[None].expand(B, width)
-
-    def timed(compiled: bool) -> float:
-        kv.compile = compiled
-        best = float("inf")
-        for _ in range(reps):
-            e.reset()
-            kv._bound = 0
-            if kv.device.type == "cuda":
-                torch.cuda.synchronize(kv.device)
-            t0 = time.perf_counter()
-            kv.forward(tokens, positions)
-            if kv.device.type == "cuda":
-                torch.cuda.synchronize(kv.device)
-            best = min(best, time.perf_counter() - t0)
-        return best
-
-    kv.forward(tokens[:, :1], positions[:, :1])  # allocate the buffers (eager)
-    eager = timed(False)
-    compiled = timed(True)  # the first rep compiles (counted in compile_s)
-    compiled = timed(True)
-    e.probe[width] = e.compile_failed is None and compiled < 0.9 * eager
-    e.reset()
-    kv._bound, kv.forwards, kv.compiled_calls = 0, 0, 0
-    return e.probe[width]
-
-
-def static_draft_cache(model: PreTrainedModel, config, batch: int, max_length: int, K: int, budget: int,
-                       vocab_size: int, sync: bool = False) -> StaticCachedModel | None:
-    """The draft cache `config.compile` asks for: a StaticCachedModel (compiled or not), or None for the dynamic
-    `CachedModel` (compile off, offloaded models, absurd lengths, unsupported models). With the process worker the
-    child builds it, on its own copy of the model (workers.process).
-
-    Compiled widths: SSD's glue (K + 1), tree step (N branches) and the single steps of its just-in-time backup
-    after a miss (1: eager, its K serial steps cost so much that the backup policy picks the weaker n-gram);
-    synchronous SD's single draft steps (1) and the two pending tokens each round starts with (2)."""
-    mode = getattr(config, "compile", False)
-    if mode is False:
-        return None
-    device_map = getattr(model, "hf_device_map", None)
-    if device_map is not None and len(set(device_map.values())) > 1:
-        return None
-    N = 1 if sync else tree_width(config, K, budget, vocab_size)
-    # synchronous SD leaves a hole each round whose last draft is rejected (its two pending tokens always take two
-    # slots), at most one per new token: room for max_length more
-    M = static_cache_len(2 * max_length if sync else max_length, K, 0 if sync else N)
-    if M > MAX_SLOTS:
-        return None
-    try:
-        kv = StaticCachedModel(model, batch, M, compile=True, hot_widths=(1, 2) if sync else (1, K + 1, N))
-    except (ValueError, TypeError, AttributeError) as exc:  # layouts CachedModel would also refuse, odd configs
-        warnings.warn(f"hf_ssd: ssd_compile: the static draft cache does not support this model ({exc}); using the "
-                      "dynamic cache.", RuntimeWarning, stacklevel=2)
-        return None
-    if mode == "auto" and kv.device.type != "cuda" and not (kv.device.type == "cpu" and _probe_faster(kv, N)):
-        kv.release()  # eager static buffers buy nothing over the dynamic cache
-        return None
-    kv.compile = True
-    return kv
-
-
-VERIFY_WIDTHS = tuple(range(2, 18))  # verify blocks of K + 1 tokens, K = 1..16: each compiles at its first use
-
-
-def static_target_cache(model: PreTrainedModel, batch: int, max_length: int, K_max: int = 16
-                        ) -> StaticCachedModel | None:
-    """`ssd_compile_target`: the target's cache as static buffers whose verify block (K + 1 tokens wide) runs
-    compiled; None (the dynamic cache) for a model split over devices or an absurd length. The target's logits are
-    then its compiled graph's (as with transformers' own static-cache compile path): the same model, float rounding
-    of the compiled kernels."""
-    device_map = getattr(model, "hf_device_map", None)
-    if device_map is not None and len(set(device_map.values())) > 1:
-        return None
-    M = static_cache_len(max_length, K_max, 0)
-    if M > MAX_SLOTS:
-        return None
-    try:
-        return StaticCachedModel(model, batch, M, compile=COMPILE_ENABLED, hot_widths=VERIFY_WIDTHS)
-    except (ValueError, TypeError, AttributeError) as exc:
-        warnings.warn(f"hf_ssd: ssd_compile_target: the static cache does not support this model ({exc}); the "
-                      "target verifies eagerly.", RuntimeWarning, stacklevel=2)
-        return None
 
 
 def clear(model: PreTrainedModel | None = None) -> int:

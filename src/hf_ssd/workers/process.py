@@ -61,7 +61,7 @@ def _serve(conn, model, quantize) -> None:
     """The child's loop. Requests are (seq, cmd, *args); answers are (seq, status, payload), seq echoed."""
     from hf_ssd.draft.saguaro import SaguaroDrafter
     from hf_ssd.draft.static_saguaro import StaticSaguaroDrafter
-    from hf_ssd.runtime.static_kv import static_draft_cache
+    from hf_ssd.runtime.static_choice import static_draft_cache
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the parent's to handle
     torch.set_grad_enabled(False)
