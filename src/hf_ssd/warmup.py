@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
 from transformers import PreTrainedModel
 
 from hf_ssd.config import SSDConfig
@@ -35,10 +34,6 @@ def warmup(
     K and budget default to the config's (`config` or SSDConfig()); both must be known, as they fix the shapes.
     Returns {"compile_s", "wall_s", "widths", "max_cache_len", "compiled"}: compiled is False when compiling failed
     (the generation then runs the static cache eagerly) or the draft does not take a static cache."""
-    from tqdm.auto import tqdm
-
-    from hf_ssd.draft.model import DraftModel
-
     if isinstance(config, dict):
         config = SSDConfig.from_dict(config)
     config = (config or SSDConfig()).updated(compile=True)
@@ -48,24 +43,13 @@ def warmup(
         raise ValueError("warmup needs the tree budget (branches per row): pass budget=..., as ssd_budget to generate()")
     vocab = target.config.get_text_config().vocab_size
     t0 = time.perf_counter()
-    kv = static_draft_cache(draft, config, batch_size, prompt_len + max_new_tokens, K, budget, vocab)
+    kv = static_draft_cache(draft, config, batch_size, prompt_len + max_new_tokens, K, budget, vocab, progress=progress)
     if kv is None:
         return {"compile_s": 0.0, "wall_s": time.perf_counter() - t0, "widths": [], "max_cache_len": None,
                 "compiled": False}
-    DraftModel(draft, batch_size, vocab, [], True, 1.0, None, kv)  # the same construction generate() uses
-    widths = sorted(kv.hot_widths)
-    try:
-        with torch.no_grad():
-            B = batch_size
-            one = torch.zeros(B, 1, dtype=torch.long, device=kv.device)
-            kv.forward(one, one)  # allocates the buffers, eagerly
-            for n in tqdm(widths, desc="hf_ssd: compiling the draft", unit="shape", disable=not progress):
-                kv.entry.reset()
-                kv._bound = 0
-                positions = torch.arange(n, device=kv.device)[None].expand(B, n)
-                kv.forward(torch.zeros(B, n, dtype=torch.long, device=kv.device), positions)
+    try:  # static_draft_cache compiled every width the generation uses
         compiled = kv.entry.compile_failed is None and static_kv.COMPILE_ENABLED
-        return {"compile_s": round(kv.compile_s, 4), "wall_s": round(time.perf_counter() - t0, 4), "widths": widths,
-                "max_cache_len": kv.max_cache_len, "compiled": compiled}
+        return {"compile_s": round(kv.compile_s, 4), "wall_s": round(time.perf_counter() - t0, 4),
+                "widths": sorted(kv.hot_widths), "max_cache_len": kv.max_cache_len, "compiled": compiled}
     finally:
         kv.release()

@@ -336,6 +336,28 @@ def test_compiled_identity_no_breaks_no_recompiles(arch, B, dynamo):
     assert info["compile_s"] > 0 or graphs == 0
 
 
+def test_every_width_compiles_before_the_first_round(dynamo):
+    """Which widths a generation meets can depend on timing (the "auto" backup picks the JIT's single steps from
+    measured costs): all hot widths compile before the prompt, so a later generation that first takes another path
+    builds no graph mid-round."""
+    counters = dynamo
+    p = get_pair("llama")
+    static_kv.clear(p.related)  # no graphs from earlier tests
+    ids, mask = left_pad([prompt(7, seed=31)[0]])
+    ref = plain_generate(p.target, ids, attention_mask=mask, max_new_tokens=24)
+    out = ssd_generate(p.target, p.related, ids, attention_mask=mask, max_new_tokens=24, return_dict_in_generate=True,
+                       **{**STATIC, "ssd_backup": "ngram"})  # never a single-token draft step in this one
+    assert torch.equal(out.sequences, ref) and out.ssd_stats["draft_compiled"]
+    assert out.ssd_stats["draft_compile_s"] > 0
+    entry, = [e for e in static_kv.registry_entries(p.related) if e.batch == 1]
+    assert entry.compiled_widths == {1, K + 1}
+    graphs = counters["stats"]["unique_graphs"]
+    out = ssd_generate(p.target, p.related, ids, attention_mask=mask, max_new_tokens=24, return_dict_in_generate=True,
+                       **STATIC)  # the JIT backup: single steps after each miss
+    assert torch.equal(out.sequences, ref) and out.ssd_stats["draft_compile_s"] == 0.0
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_compile_auto_on_cpu_probes_once(dynamo):
     """"auto" on CPU: one measured probe (eager vs compiled tree forward), kept per process; exact either way."""
     p = get_pair("llama")

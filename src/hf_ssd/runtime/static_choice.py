@@ -53,14 +53,15 @@ def _probe_faster(kv: StaticCachedModel, width: int, reps: int = 5) -> bool:
 
 
 def static_draft_cache(model: PreTrainedModel, config, batch: int, max_length: int, K: int, budget: int,
-                       vocab_size: int, sync: bool = False) -> StaticCachedModel | None:
+                       vocab_size: int, sync: bool = False, progress: bool = False) -> StaticCachedModel | None:
     """The draft cache `config.compile` asks for: a StaticCachedModel (compiled or not), or None for the dynamic
     `CachedModel` (compile off, offloaded models, absurd lengths, unsupported models). With the process worker the
     child builds it, on its own copy of the model (workers.process).
 
     Compiled widths: SSD's glue (K + 1), tree step (N branches) and the single steps of its just-in-time backup
     after a miss (1: eager, its K serial steps cost so much that the backup policy picks the weaker n-gram);
-    synchronous SD's single draft steps (1) and the two pending tokens each round starts with (2)."""
+    synchronous SD's single draft steps (1) and the two pending tokens each round starts with (2). All of them compile
+    here, before the prompt, so no round builds a graph (progress: a bar while they do)."""
     mode = getattr(config, "compile", False)
     if mode is False:
         return None
@@ -83,6 +84,7 @@ def static_draft_cache(model: PreTrainedModel, config, batch: int, max_length: i
         kv.release()  # eager static buffers buy nothing over the dynamic cache
         return None
     kv.compile = True
+    kv.precompile(progress=progress)
     return kv
 
 

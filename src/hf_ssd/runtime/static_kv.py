@@ -389,6 +389,30 @@ class StaticCachedModel:
             logits = logits.clone()
         return logits
 
+    def precompile(self, progress: bool = False) -> None:
+        """Compile every hot width now, on an empty cache, rather than at its first use mid-generation: which widths a
+        generation meets can depend on timing (the backup policy picks the JIT backup, width 1, from measured costs),
+        and a graph built inside a round would stall it for seconds. Does nothing once all are compiled."""
+        e = self.entry
+        todo = sorted(self.hot_widths - e.compiled_widths)
+        if not (COMPILE_ENABLED and self.compile and todo and e.compile_failed is None):
+            return
+        from tqdm.auto import tqdm
+
+        B = self.batch
+        with torch.inference_mode():
+            if not e.initialized:  # the first forward allocates the layers' buffers, eagerly
+                one = torch.zeros(B, 1, dtype=torch.long, device=self.device)
+                self.forward(one, one)
+            for n in tqdm(todo, desc="hf_ssd: compiling the draft", unit="shape", disable=not progress):
+                e.reset()
+                self._bound = 0
+                positions = torch.arange(n, device=self.device)[None].expand(B, n)
+                self.forward(torch.zeros(B, n, dtype=torch.long, device=self.device), positions)
+        e.reset()
+        self._bound = 0
+        self.forwards = self.compiled_calls = 0
+
     @torch.inference_mode()
     def invalidate(self, start: torch.Tensor, stop: int | None = None) -> None:
         """Without `stop`: move each row's pointer back to start[b] (slots from there on become invalid and are
