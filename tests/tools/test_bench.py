@@ -309,3 +309,35 @@ def test_failed_optional_method_is_reported(monkeypatch, tmp_path):
     assert [r["method"] for r in report["results"]] == ["plain"] and validate_report(report) == []
     assert "no C++ compiler" in report["method_errors"]["plain:static-compile"]["error"]
     assert "plain:static-compile (RuntimeError: inductor: no C++ compiler)" in (tmp_path / "table.md").read_text()
+
+
+def test_methods_are_timed_interleaved(monkeypatch):
+    """After every method's warm-up, each prompt batch runs every method back to back, the order rotating with the
+    repeat (the machine's drift hits all methods of a group alike); eager plain runs first on the first pass, so
+    every greedy check has its reference."""
+    calls = []
+    real = bench_runner.generate_once
+
+    def recording(m, target, draft, ids, mask, **kw):
+        calls.append((m.name, tuple(ids[0].tolist()), kw["max_new_tokens"] is None))
+        return real(m, target, draft, ids, mask, **kw)
+
+    monkeypatch.setattr(bench_runner, "generate_once", recording)
+    cfg = BenchConfig(tiny=True, methods=("plain", "sd", "auto"), num_prompts=2, max_new_tokens=6, warmup=1,
+                      repeats=3, progress=False)
+    report = run_bench(cfg)
+    timed = [(name, last) for name, last, full in calls if full]
+    warm = [name for name, _, full in calls if not full]
+    assert warm == ["plain", "sd", "ssd:auto"]  # warm-ups (short) come first, one method after the other
+    assert calls.index(next(c for c in calls if c[2])) == 3  # ... and all of them before any timed call
+    batches = list(dict.fromkeys(last for _, last in timed))
+    assert len(batches) == 2 and len(timed) == 3 * 2 * 3
+    for rep in range(3):
+        for bi in range(2):
+            group = timed[(rep * 2 + bi) * 3:(rep * 2 + bi + 1) * 3]
+            assert {last for _, last in group} == {batches[bi]}
+            order = ["plain", "sd", "ssd:auto"]
+            assert [name for name, _ in group] == order[rep:] + order[:rep]
+    by = {r["method"]: r for r in report["results"]}
+    assert by["sd"]["greedy_equal"] is True and by["sd"]["greedy_equal_runs"] == "6/6"
+    assert by["ssd:auto"]["greedy_equal"] is True and by["plain"]["repeats"] == 3

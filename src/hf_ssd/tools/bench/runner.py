@@ -9,8 +9,9 @@ Methods (all on the same prompts, same max_new_tokens, same sampling settings):
   sd                    our synchronous speculative decoding (generate(..., ssd=True, ssd_mode="sync"))
   ssd:<worker>          SSD / Saguaro with each worker kind the engine provides (found at run time)
 
-Every (setting, temperature, batch, prompt set, method) is warmed up, then timed `repeats` times over all its prompt
-batches; tokens/s are reported as the median over the repeats with the min-max spread.
+Every method is warmed up, then the methods of each (setting, temperature, batch, prompt set) are timed interleaved
+(bench/interleave.py), `repeats` passes over all its prompt batches; tokens/s are reported as the median over the
+repeats with the min-max spread.
 
 Thread settings (CPU):
   paper  the target gets 1 thread in every method; SSD with a parallel worker adds a 2nd core for the draft
@@ -29,12 +30,10 @@ from typing import Any
 
 import torch
 
-from hf_ssd.tools.bench.aggregate import (add_speedups, aggregate_repeats, aggregate_runs, greedy_equal,  # noqa: F401
-                                          safe_div)
-from hf_ssd.hf.plain_hand_off import compiled_graphs, static_compile_config
+from hf_ssd.hf.plain_hand_off import static_compile_config
+from hf_ssd.tools.bench.aggregate import add_speedups
+from hf_ssd.tools.bench.interleave import run_group, warmups
 from hf_ssd.tools.bench.probes import FirstTokenTimer, PeakRSS, machine_info, versions
-from hf_ssd.testing import left_pad
-from hf_ssd.tools.bench.simulate import _alpha_for
 from hf_ssd.tools.bench.workload import load_bench_prompts, load_models, new_tokens
 
 SETTINGS = ("paper", "equal")
@@ -304,40 +303,26 @@ def _run_units(cfg, command, target, draft, tok, model_info, prompts, workers, s
     from tqdm.auto import tqdm
 
     prompt_sets = list(dict.fromkeys(p["set"] for p in prompts))  # each set reported on its own rows
-    units = []
+    groups = []
     for setting in cfg.settings:
         for temp in cfg.temperatures:
             for b in cfg.batch_sizes:
                 for ps in prompt_sets:
                     rows = [p for p in prompts if p["set"] == ps]
                     batches = [rows[i:i + b] for i in range(0, len(rows), b)]
-                    for m in methods:
-                        if m.batch1_only and b > 1:
-                            continue
-                        units.append((setting, temp, b, ps, m, batches))
-    total = sum(len(u[5]) * cfg.repeats + _warmups(cfg, u[4]) for u in units)
+                    ms = [m for m in methods if not (m.batch1_only and b > 1)]
+                    groups.append((setting, temp, b, ps, ms, batches))
+    total = sum(len(g[5]) * cfg.repeats + warmups(cfg, m) for g in groups for m in g[4])
     results, samples, errors = [], [], {}
     plain_out: dict[tuple, list[list[int]]] = {}
     bar = tqdm(total=total, desc="bench", unit="gen", disable=not cfg.progress)
-    ctx = dict(cfg=cfg, target=target, draft=draft, pad_id=pad_id, eos_ids=eos_ids, process=process, bar=bar,
-               plain_out=plain_out)
-    for setting, temp, b, ps, m, batches in units:
-        bar.set_postfix_str(f"{setting} T={temp} b={b} {ps} {m.name}")
-        if m.name in errors:  # an optional baseline that failed once is not retried
-            bar.update(len(batches) * cfg.repeats + _warmups(cfg, m))
-            continue
-        try:
-            row, unit_samples = _run_unit(setting, temp, b, ps, m, batches, **ctx)
-        except Exception as e:
-            if m.name not in OPTIONAL_METHODS:
-                raise
-            msg = " ".join(f"{type(e).__name__}: {e}".split())
-            errors[m.name] = {"setting": setting, "temperature": temp, "batch_size": b, "prompt_set": ps,
-                              "error": msg[:2000]}
-            print(f"warning: {m.name} failed and is left out of the report: {msg[:300]}", file=sys.stderr)
-            continue
-        results.append(row)
-        samples += unit_samples
+    for setting, temp, b, ps, ms, batches in groups:
+        rows, group_samples = run_group(setting, temp, b, ps, ms, batches, cfg=cfg, generate_once=generate_once,
+                                        target=target, draft=draft, pad_id=pad_id, eos_ids=eos_ids,
+                                        process=process, bar=bar, plain_out=plain_out, errors=errors,
+                                        optional=OPTIONAL_METHODS)
+        results += rows
+        samples += group_samples
     bar.close()
     add_speedups(results)
     torch.set_num_threads(min(2, os.cpu_count() or 2))
@@ -362,103 +347,15 @@ def _run_units(cfg, command, target, draft, tok, model_info, prompts, workers, s
     }
 
 
-def _warmups(cfg: BenchConfig, m: Method) -> int:
-    """Untimed generations before a unit's timing: cfg.warmup, and at least one for the compiled method (its first
-    call compiles; more follow while a warm-up still builds new graphs, up to 3 extra)."""
-    return max(cfg.warmup, 1) if m.compiled else cfg.warmup
-
-
-def _run_unit(setting, temp, b, ps, m, batches, *, cfg, target, draft, pad_id, eos_ids, process, bar, plain_out):
-    """Warm up, then time `cfg.repeats` passes over every batch; returns (result row, samples)."""
-    def gen(batch, max_new_tokens=None):
-        ids, mask = left_pad([p["input_ids"] for p in batch], pad=pad_id)
-        return generate_once(m, target, draft, ids, mask, cfg=cfg, setting=setting, temperature=temp, pad_id=pad_id,
-                             eos_ids=eos_ids, max_new_tokens=max_new_tokens, process=process)
-
-    t0, graphs = time.perf_counter(), compiled_graphs() if m.compiled else 0
-    n_warm = _warmups(cfg, m)
-    # untimed: first-call allocations, budget measurement, thread pools, torch.compile
-    for w in range(n_warm + (3 if m.compiled else 0)):
-        if w >= n_warm:  # compiled method: one more warm-up only while the last one still compiled something
-            if compiled_graphs() == graphs:
-                break
-        graphs = compiled_graphs() if m.compiled else 0
-        gen(batches[w % len(batches)], max_new_tokens=min(8, cfg.max_new_tokens))
-        if w < n_warm:
-            bar.update()
-    if m.engine_compiled:
-        # Our static caches are sized per prompt length bucket and max_length: full-length passes over every batch
-        # (more only while a pass still builds graphs), so no shape is first met while timed.
-        for _ in range(3):
-            before = compiled_graphs()
-            for batch in batches:
-                gen(batch)
-            if compiled_graphs() == before:
-                break
-    if m.kind == "auto":
-        from hf_ssd.workers import pool
-
-        if pool.wait(draft) == "ready":
-            # the controller asked for a kept draft process while warming up: a user's later calls run with it up,
-            # so the timed ones do too, after a pass that lets the controller try (and compile) its process plans
-            for batch in batches:
-                gen(batch)
-    warmup_s = time.perf_counter() - t0
-    graphs_before = compiled_graphs() if m.compiled else 0
-    per_rep: list[list[dict[str, Any]]] = [[] for _ in range(cfg.repeats)]
-    samples, eqs = [], []
-    for rep in range(cfg.repeats):  # repeats outermost: a slow spell of the machine hits one repeat, not one batch
-        for bi, batch in enumerate(batches):
-            r = gen(batch)
-            bar.update()
-            key = (setting, temp, b, ps, bi)
-            eq = None
-            if temp == 0:
-                if m.kind == "plain" and rep == 0 and key not in plain_out:  # eager plain when it ran (it runs first)
-                    plain_out[key] = r["tokens"]
-                if key in plain_out:
-                    eq = greedy_equal(r["tokens"], plain_out[key])[0]
-            eqs.append(eq)
-            cats = sorted({p["category"] for p in batch})
-            n_new = sum(len(t) for t in r["tokens"])
-            per_rep[rep].append(r)
-            samples.append({
-                "setting": setting, "temperature": temp, "batch_size": b, "method": m.name, "batch_index": bi,
-                "repeat": rep, "prompt_ids": [p["id"] for p in batch],
-                "category": cats[0] if len(cats) == 1 else "mixed", "prompt_set": ps, "new_tokens": n_new,
-                "wall_s": r["wall_s"], "ttft_s": r["ttft_s"], "tokens_per_s_e2e": safe_div(n_new, r["wall_s"]),
-                "tokens_per_s_decode": safe_div(n_new - len(r["tokens"]), r["wall_s"] - r["ttft_s"]),
-                "hit_rate": (r["ssd_stats"] or {}).get("hit_rate"),
-                "mean_tokens_per_round": (r["ssd_stats"] or {}).get("mean_tokens_per_round"),
-                "greedy_equal": eq, "threads": r["threads"],
-            })
-    agg = aggregate_repeats(per_rep, b)
-    agg["greedy_equal"] = None if temp != 0 or any(e is None for e in eqs) else all(eqs)
-    agg["greedy_equal_runs"] = None if agg["greedy_equal"] is None else f"{sum(eqs)}/{len(eqs)}"
-    acc = agg.get("mean_accepted_hist")  # α with Σ_{i=1..K} α^i = mean accepted drafts per round
-    agg["alpha_est"] = _alpha_for(min(acc + 1.0, cfg.K + 1.0), cfg.K) if acc is not None else None
-    agg["warmup_s"] = warmup_s
-    if m.compiled:  # > 0 would mean compilation was timed: say so rather than hide it
-        agg["graphs_compiled_in_timed_runs"] = compiled_graphs() - graphs_before
-    last = per_rep[-1][-1] if per_rep and per_rep[-1] else None
-    row = {"setting": setting, "temperature": temp, "batch_size": b, "prompt_set": ps, "method": m.name,
-           "kind": m.kind, "option": m.option, "engine_compiled": m.engine_compiled,
-           "threads": last["threads"] if last else None, **agg}
-    if m.kind == "auto":  # what the controller ran (last timed run) and why: the row's result depends on it
-        control = ((last or {}).get("ssd_stats") or {}).get("controller") or {}
-        row["controller_choice"] = control.get("choice")
-        row["controller_reason"] = control.get("reason")
-        row["controller_switches"] = len(control.get("switches") or [])
-    return row, samples
-
-
 NOTES = [
     "tokens_per_s_e2e = new tokens / wall time of generate() (prefill included); tokens_per_s_decode = "
     "(new tokens - 1 per row) / (wall - time to first token). For SD/SSD the first token comes out of the first "
     "verify round, so its drafting is counted in the time to first token.",
-    "Each (setting, temperature, batch, prompt set, method) is warmed up untimed (torch.compile happens there), then "
-    "timed `repeats` times over every prompt batch; tokens/s = median over the repeats, with min-max in "
-    "*_stats (JSON) and in brackets (Markdown).",
+    "Each (setting, temperature, batch, prompt set, method) is warmed up untimed (torch.compile happens there); "
+    "then the methods of a (setting, temperature, batch, prompt set) group are timed interleaved: for each of "
+    "`repeats` passes and each prompt batch, every method runs once, back to back, in an order rotating with the "
+    "pass, so the machine's drift hits them alike. tokens/s = median over the repeats, with min-max in *_stats "
+    "(JSON) and in brackets (Markdown).",
     "speedup_vs_* compare median decode tokens/s within the same setting, temperature, batch size and prompt set "
     "(_e2e: end-to-end). plain = eager plain generate(); best_plain = the faster of plain and plain:static-compile; "
     "sd = our synchronous SD at its best compile setting (the faster of sd and sd+compile); "

@@ -1,0 +1,179 @@
+"""Timing the methods of one group side by side.
+
+A group is every method on one (setting, temperature, batch size, prompt set). Each method is warmed up untimed
+first (first-call allocations, budget measurement, thread pools, torch.compile, a kept draft process). Then the
+timed calls interleave: for each repeat and each prompt batch, every method runs once, back to back, in an order
+that rotates with the repeat. A small machine's speed drifts by tens of percent over minutes; timed back to back,
+the methods of a group share that drift, so the ratios between them do not carry it (timed one method after the
+other, minutes apart, they did).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from hf_ssd.hf.plain_hand_off import compiled_graphs
+from hf_ssd.testing import left_pad
+from hf_ssd.tools.bench.aggregate import aggregate_repeats, greedy_equal, safe_div
+from hf_ssd.tools.bench.simulate import _alpha_for
+
+
+def warmups(cfg, m) -> int:
+    """Untimed generations before a method's timing: cfg.warmup, and at least one for a compiled method (its first
+    call compiles; more follow while a warm-up still builds new graphs, up to 3 extra)."""
+    return max(cfg.warmup, 1) if m.compiled else cfg.warmup
+
+
+def rotated(items: list, k: int) -> list:
+    """items with the first k % len moved to the end: repeat r runs method r first, so no method always follows
+    the same one (a method that leaves the caches cold, or a process busy, does not always slow the same next)."""
+    if not items:
+        return []
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
+def run_group(setting, temp, b, ps, methods, batches, *, cfg, generate_once, target, draft, pad_id, eos_ids, process,
+              bar, plain_out, errors, optional) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Warm every method up, then time them interleaved; returns (one result row per method, samples).
+    A method in `optional` that raises is left out with its error in `errors`; any other raises."""
+    def gen_for(m):
+        def gen(batch, max_new_tokens=None):
+            ids, mask = left_pad([p["input_ids"] for p in batch], pad=pad_id)
+            return generate_once(m, target, draft, ids, mask, cfg=cfg, setting=setting, temperature=temp,
+                                 pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=max_new_tokens, process=process)
+        return gen
+
+    def drop(m, exc: Exception) -> None:
+        if m.name not in optional:
+            raise exc
+        msg = " ".join(f"{type(exc).__name__}: {exc}".split())
+        errors[m.name] = {"setting": setting, "temperature": temp, "batch_size": b, "prompt_set": ps,
+                          "error": msg[:2000]}
+        print(f"warning: {m.name} failed and is left out of the report: {msg[:300]}", file=sys.stderr)
+
+    live, gens, warm_s = [], {}, {}
+    for m in methods:
+        bar.set_postfix_str(f"{setting} T={temp} b={b} {ps} {m.name} (warm-up)")
+        if m.name in errors:  # an optional baseline that failed once is not retried
+            bar.update(len(batches) * cfg.repeats + warmups(cfg, m))
+            continue
+        gens[m.name] = gen_for(m)
+        try:
+            warm_s[m.name] = _warm_up(m, batches, gens[m.name], cfg, draft, bar)
+        except Exception as exc:  # noqa: BLE001 - drop() re-raises what is not optional
+            drop(m, exc)
+            bar.update(len(batches) * cfg.repeats)
+            continue
+        live.append(m)
+
+    per_rep = {m.name: [[] for _ in range(cfg.repeats)] for m in live}
+    graphs = {m.name: 0 for m in live}
+    samples: dict[str, list] = {m.name: [] for m in live}
+    eqs: dict[str, list] = {m.name: [] for m in live}
+    bar.set_postfix_str(f"{setting} T={temp} b={b} {ps} (timed, {len(live)} methods interleaved)")
+    for rep in range(cfg.repeats):  # repeats outermost: a slow spell of the machine hits one repeat, not one batch
+        for bi, batch in enumerate(batches):
+            # plain first on the first pass, so the greedy reference exists for every other method
+            for m in rotated(live, rep):
+                if m not in live:
+                    continue  # an optional method that failed in this pass
+                before = compiled_graphs() if m.compiled else 0
+                try:
+                    r = gens[m.name](batch)
+                except Exception as exc:  # noqa: BLE001
+                    drop(m, exc)
+                    live.remove(m)
+                    continue
+                if m.compiled:
+                    graphs[m.name] += compiled_graphs() - before
+                bar.update()
+                eq = _greedy_check(m, r, temp, rep, (setting, temp, b, ps, bi), plain_out)
+                eqs[m.name].append(eq)
+                per_rep[m.name][rep].append(r)
+                samples[m.name].append(_sample(setting, temp, b, ps, m, bi, rep, batch, r, eq))
+    rows = [_row(setting, temp, b, ps, m, cfg, per_rep[m.name], eqs[m.name], warm_s[m.name], graphs[m.name])
+            for m in live]
+    return rows, [s for m in live for s in samples[m.name]]
+
+
+def _warm_up(m, batches, gen, cfg, draft, bar) -> float:
+    """The untimed calls before a method's timing; returns their seconds."""
+    t0, graphs = time.perf_counter(), compiled_graphs() if m.compiled else 0
+    n_warm = warmups(cfg, m)
+    for w in range(n_warm + (3 if m.compiled else 0)):
+        if w >= n_warm:  # compiled method: one more warm-up only while the last one still compiled something
+            if compiled_graphs() == graphs:
+                break
+        graphs = compiled_graphs() if m.compiled else 0
+        gen(batches[w % len(batches)], max_new_tokens=min(8, cfg.max_new_tokens))
+        if w < n_warm:
+            bar.update()
+    if m.engine_compiled:
+        # Our static caches are sized per prompt length bucket and max_length: full-length passes over every batch
+        # (more only while a pass still builds graphs), so no shape is first met while timed.
+        for _ in range(3):
+            before = compiled_graphs()
+            for batch in batches:
+                gen(batch)
+            if compiled_graphs() == before:
+                break
+    if m.kind == "auto":
+        from hf_ssd.workers import pool
+
+        if pool.wait(draft) == "ready":
+            # the controller asked for a kept draft process while warming up: a user's later calls run with it up,
+            # so the timed ones do too, after a pass that lets the controller try (and compile) its process plans
+            for batch in batches:
+                gen(batch)
+    return time.perf_counter() - t0
+
+
+def _greedy_check(m, r, temp, rep, key, plain_out) -> bool | None:
+    """Whether this run's tokens equal eager plain's on the same batch (T = 0 only; None where there is no
+    reference)."""
+    if temp != 0:
+        return None
+    if m.kind == "plain" and rep == 0 and key not in plain_out:  # eager plain when it ran (it runs first)
+        plain_out[key] = r["tokens"]
+    if key not in plain_out:
+        return None
+    return greedy_equal(r["tokens"], plain_out[key])[0]
+
+
+def _sample(setting, temp, b, ps, m, bi, rep, batch, r, eq) -> dict[str, Any]:
+    cats = sorted({p["category"] for p in batch})
+    n_new = sum(len(t) for t in r["tokens"])
+    return {
+        "setting": setting, "temperature": temp, "batch_size": b, "method": m.name, "batch_index": bi,
+        "repeat": rep, "prompt_ids": [p["id"] for p in batch],
+        "category": cats[0] if len(cats) == 1 else "mixed", "prompt_set": ps, "new_tokens": n_new,
+        "wall_s": r["wall_s"], "ttft_s": r["ttft_s"], "tokens_per_s_e2e": safe_div(n_new, r["wall_s"]),
+        "tokens_per_s_decode": safe_div(n_new - len(r["tokens"]), r["wall_s"] - r["ttft_s"]),
+        "hit_rate": (r["ssd_stats"] or {}).get("hit_rate"),
+        "mean_tokens_per_round": (r["ssd_stats"] or {}).get("mean_tokens_per_round"),
+        "greedy_equal": eq, "threads": r["threads"],
+    }
+
+
+def _row(setting, temp, b, ps, m, cfg, per_rep, eqs, warmup_s, graphs) -> dict[str, Any]:
+    """One method's result row: medians over the repeats, with its greedy check and what the controller ran."""
+    agg = aggregate_repeats(per_rep, b)
+    agg["greedy_equal"] = None if temp != 0 or any(e is None for e in eqs) else all(eqs)
+    agg["greedy_equal_runs"] = None if agg["greedy_equal"] is None else f"{sum(eqs)}/{len(eqs)}"
+    acc = agg.get("mean_accepted_hist")  # α with Σ_{i=1..K} α^i = mean accepted drafts per round
+    agg["alpha_est"] = _alpha_for(min(acc + 1.0, cfg.K + 1.0), cfg.K) if acc is not None else None
+    agg["warmup_s"] = warmup_s
+    if m.compiled:  # > 0 would mean compilation was timed: say so rather than hide it
+        agg["graphs_compiled_in_timed_runs"] = graphs
+    last = per_rep[-1][-1] if per_rep and per_rep[-1] else None
+    row = {"setting": setting, "temperature": temp, "batch_size": b, "prompt_set": ps, "method": m.name,
+           "kind": m.kind, "option": m.option, "engine_compiled": m.engine_compiled,
+           "threads": last["threads"] if last else None, **agg}
+    if m.kind == "auto":  # what the controller ran (last timed run) and why: the row's result depends on it
+        control = ((last or {}).get("ssd_stats") or {}).get("controller") or {}
+        row["controller_choice"] = control.get("choice")
+        row["controller_reason"] = control.get("reason")
+        row["controller_switches"] = len(control.get("switches") or [])
+    return row
