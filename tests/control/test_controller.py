@@ -81,6 +81,28 @@ def test_reacts_when_costs_change_mid_generation():
     assert ctl.predict(second.plan).tokens_per_s > ctl.predict(first).tokens_per_s
 
 
+def test_an_old_measurement_is_rechecked_at_the_start_of_a_call():
+    """Plain was measured slower than sync SD, long ago (a slow spell, say); sync has run since. At the start of a
+    call the old measurement counts less, leaning toward the model, so plain is tried again; mid-generation it is
+    not (a switch costs a restart). Measured slow again, plain is left alone: a fresh measurement is believed."""
+    from hf_ssd.control.controller import STALE_HALF_LIFE
+
+    ctl = controller(costs(draft=(0.05, 0.001)), alpha=0.5, allowed={"mode": ("plain", "sync"), "K": (2,)})
+    plain, sync = Plan("plain"), Plan("sync", 2)
+    assert ctl.predict(plain).tokens_per_s > ctl.predict(sync).tokens_per_s  # the model: plain is faster
+    slow_plain = 1.5 * ctl.model(plain).round_s
+    sync_s = ctl.predict(sync).tokens_per_round / (1.2 * ctl.predict(plain).tokens_per_round / slow_plain)
+    ctl.memory.record_round(plain, slow_plain, count=8)
+    ctl.memory.record_round(sync, sync_s, tokens=ctl.predict(sync).tokens_per_round, count=8)
+    assert ctl.decide().plan == sync  # measured: sync 1.2x the (slow) plain; both fresh
+    ctl.memory.record_round(sync, sync_s, count=8, rounds=3 * STALE_HALF_LIFE)  # sync ran on and on
+    decision = ctl.decide()
+    assert decision.plan == plain and "re-checking" in decision.reason
+    assert ctl.decide(current=sync).plan == sync
+    ctl.memory.record_round(plain, slow_plain, count=8)  # the re-check: just as slow
+    assert ctl.decide().plan == sync
+
+
 def test_round_times_shrug_off_one_off_stalls():
     """A compile (or page fault) stalls one round by 100x: neither as the first round nor later does it become the
     plan's measured speed; three slow rounds in a row do (the plan really got slower)."""

@@ -15,6 +15,10 @@ from hf_ssd.control.costs import Costs
 from hf_ssd.control.plan import Acceptance, Plan, Prediction, candidates, predict
 
 MIN_ROUNDS = 4  # rounds a plan must have run before its measured round time replaces the model's
+# A plan's measurement ages as other plans run: after this many rounds (all plans together) it counts half, and
+# the prediction leans toward what the cost model and the fresh measurements say. A machine's speed drifts; a plan
+# measured in a slow spell would otherwise never be chosen, so never measured again.
+STALE_HALF_LIFE = 512
 SWITCH_GAIN = 1.10  # switch mid-generation only for a predicted gain of 10% or more (timings are noisy)
 SIMPLER_WITHIN = 0.97  # prefer the simpler plan when the fancier one is predicted less than 3% faster
 COMPLEXITY = {"plain": 0, "sync": 1, "ssd": 2}
@@ -34,6 +38,7 @@ class Ema:
         self.outlier = outlier
         self.first: list[float] = []
         self.outliers = 0
+        self.at = 0  # Memory.clock at the last observation
 
     def add(self, x: float, count: int = 1) -> None:
         for _ in range(count):
@@ -63,6 +68,22 @@ class Memory:
     lookups: float = 0.0
     round_s: dict[Plan, Ema] = field(default_factory=dict)  # measured seconds per round, per plan that ran
     tokens: dict[Plan, Ema] = field(default_factory=dict)  # measured tokens per row per round, per plan that ran
+    clock: int = 0  # rounds recorded so far, every plan together: how old a measurement is
+
+    def record_round(self, plan: Plan, seconds: float, tokens: float | None = None, count: int = 1,
+                     rounds: int | None = None) -> None:
+        """`plan` took `seconds` per round (weighted as `count` observations, over `rounds` rounds of the clock,
+        default `count`), its rows committing `tokens` each per round when given."""
+        self.clock += count if rounds is None else rounds
+        ema = self.round_s.setdefault(plan, Ema())
+        ema.add(seconds, count=count)
+        ema.at = self.clock
+        if tokens is not None:
+            self.tokens.setdefault(plan, Ema(outlier=None)).add(tokens)
+
+    def age(self, plan: Plan) -> int:
+        """Rounds recorded since `plan`'s round time was last measured."""
+        return self.clock - self.round_s[plan].at
 
     def alpha(self, prior: float) -> float:
         weight = 8.0  # pseudo-observations of the prior
@@ -80,7 +101,7 @@ def record_plain(memory: Memory, step_s: float, steps: int) -> None:
     """A plain decoding run outside our round loop (transformers' own, after a hand-off) took `step_s` seconds per
     decode step over `steps` steps: its measured round time, so a plain choice is checked like any other."""
     if steps > 0:
-        memory.round_s.setdefault(Plan("plain"), Ema()).add(step_s, count=min(steps, 8))
+        memory.record_round(Plan("plain"), step_s, count=min(steps, 8), rounds=steps)
 
 
 @dataclass
@@ -135,7 +156,7 @@ class Controller:
         """The cost model's prediction, before any calibration."""
         return predict(plan, self.costs, self.acceptance(), self.batch)
 
-    def calibration(self, mode: str) -> float:
+    def calibration(self, mode: str, max_age: int | None = None) -> float:
         """Measured / modelled round time of the plans of `mode` (a plan `family`) that ran: the engine's own work,
         thread contention and whatever else the cost lines miss. Without it, plans that never ran would look better
         than their siblings that did, and the controller would hop between them.
@@ -145,9 +166,10 @@ class Controller:
         (contention on one side's cores) may be the measured family's own. So each family is tried at most once
         before its own measurements take over, and never looks worse than the model says before it has run.
         Plain decoding is the exception unless the target is compiled: chosen first, it runs transformers' own eager
-        loop, as the model prices it."""
+        loop, as the model prices it. max_age: only measurements at most this many rounds old count."""
         ratios = {plan: measured.value / max(self.model(plan).round_s, 1e-9)
-                  for plan, measured in self.memory.round_s.items() if measured.n >= MIN_ROUNDS}
+                  for plan, measured in self.memory.round_s.items()
+                  if measured.n >= MIN_ROUNDS and (max_age is None or self.memory.age(plan) <= max_age)}
         own = [r for plan, r in ratios.items() if family(plan) == mode]
         if own:
             return statistics.median(own)
@@ -164,11 +186,13 @@ class Controller:
                   for plan, measured in self.memory.tokens.items() if measured.n >= MIN_ROUNDS and plan.mode == mode]
         return statistics.median(ratios) if ratios else 1.0
 
-    def predict(self, plan: Plan) -> Prediction:
+    def predict(self, plan: Plan, aged: bool = False) -> Prediction:
+        """The plan's tokens per second, from its measurements where it has run (aged: with old ones leaning toward
+        the model, see _aged), else from the calibrated model."""
         pred = self.model(plan)
         measured = self.memory.round_s.get(plan)
         if measured is not None and measured.n >= MIN_ROUNDS:
-            pred.round_s = measured.value
+            pred.round_s = self._aged(plan, measured.value, pred.round_s) if aged else measured.value
             pred.parts = {**pred.parts, "measured_round": measured.value}
         else:
             pred.round_s *= self.calibration(family(plan))
@@ -181,9 +205,23 @@ class Controller:
             pred.p_hit = self.memory.hits / self.memory.lookups  # for the record: the measured round includes misses
         return pred
 
+    def _aged(self, plan: Plan, measured: float, modelled: float) -> float:
+        """A measured round time, leaning toward the model (calibrated by fresh measurements only) as it ages, and
+        only where that is faster: an old measurement may be of a slow spell, so it gets re-checked once the
+        doubt is worth a call; a plan that really is slow measures slow again and is left alone for a while."""
+        age = self.memory.age(plan)
+        if age <= 0:
+            return measured
+        fresh = 0.5 ** (age / STALE_HALF_LIFE)
+        now = modelled * self.calibration(family(plan), max_age=STALE_HALF_LIFE // 2)
+        return fresh * measured + (1 - fresh) * min(measured, now)
+
     # ---- choosing ---------------------------------------------------------------------------------------------
     def decide(self, current: Plan | None = None) -> Decision:
-        preds = sorted((self.predict(p) for p in self.plans), key=lambda x: -x.tokens_per_s)
+        """The plan to run: at the start of a call (current None), with old measurements aged, so a plan measured
+        in a slow spell gets re-checked now and then at no switching cost; mid-generation (current: the running
+        plan), from the measurements as they are, switching only for a clear gain."""
+        preds = sorted((self.predict(p, aged=current is None) for p in self.plans), key=lambda x: -x.tokens_per_s)
         best = preds[0]
         # Among plans within 3% of the fastest, take the simplest (plain, sync, ssd; then the smallest tree): less
         # that can go wrong and less work for the same predicted speed.
@@ -220,6 +258,10 @@ class Controller:
             if pred is not None and pred.plan.mode != best.plan.mode:
                 bits.append(f"best {mode} {pred.tokens_per_s:.2f} tok/s ({pred.plan.label})")
         parts = best.parts
+        measured = parts.get("measured_round")
+        if measured is not None and best.round_s < measured * 0.97:
+            bits.append(f"re-checking it: measured at {best.tokens_per_round / measured:.2f} tok/s "
+                        f"{self.memory.age(best.plan)} rounds ago, possibly in a slow spell")
         if best.plan.mode == "ssd":
             ratio = parts["tree"] / max(parts["verify"], 1e-9)
             bits.append(f"tree of {best.plan.budget} branches = {ratio:.2f} verifies, hit rate ~{best.p_hit:.0%}")

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from hf_ssd.control.controller import Controller, Decision, Ema, Memory
+from hf_ssd.control.controller import Controller, Decision, Memory
 from hf_ssd.control.plan import Plan
 from hf_ssd.core.ranks import from_rank0
 from hf_ssd.core.types import DraftResult, Speculation, Verdict
@@ -85,9 +85,8 @@ class ControlledDrafter(Drafter):
         self.memory.accepted += float(k[drafted].sum())
         self.memory.rejected += float((k[drafted] < n[drafted]).sum())
         if self.last_start is not None and not self.disturbed():  # e.g. a draft process starting beside it
-            self.memory.round_s.setdefault(self.plan, Ema()).add(now - self.last_start)
             # tokens each row committed: the backup's weaker proposals after a miss and the like are in here
-            self.memory.tokens.setdefault(self.plan, Ema(outlier=None)).add(float((k + 1).float().mean()))
+            self.memory.record_round(self.plan, now - self.last_start, tokens=float((k + 1).float().mean()))
         self.last_start = now
 
     def _switch(self, decision, verdict: Verdict) -> DraftResult:
