@@ -18,7 +18,8 @@ MIN_ROUNDS = 4  # rounds a plan must have run before its measured round time rep
 # A plan's measurement ages as other plans run: after this many rounds (all plans together) it counts half, and
 # the prediction leans toward what the cost model and the fresh measurements say. A machine's speed drifts; a plan
 # measured in a slow spell would otherwise never be chosen, so never measured again.
-STALE_HALF_LIFE = 512
+STALE_HALF_LIFE = 1024
+MAX_DRIFT = 0.75  # ... but never below this fraction of the measured round: drift is tens of percent, not more
 SWITCH_GAIN = 1.10  # switch mid-generation only for a predicted gain of 10% or more (timings are noisy)
 SIMPLER_WITHIN = 0.97  # prefer the simpler plan when the fancier one is predicted less than 3% faster
 COMPLEXITY = {"plain": 0, "sync": 1, "ssd": 2}
@@ -207,14 +208,16 @@ class Controller:
 
     def _aged(self, plan: Plan, measured: float, modelled: float) -> float:
         """A measured round time, leaning toward the model (calibrated by fresh measurements only) as it ages, and
-        only where that is faster: an old measurement may be of a slow spell, so it gets re-checked once the
-        doubt is worth a call; a plan that really is slow measures slow again and is left alone for a while."""
+        only where that is faster, by at most the machine's drift (MAX_DRIFT): an old measurement may be of a slow
+        spell, so a plan measured a little slower than the best gets re-checked once the doubt is worth a call; a
+        plan that really is slow measures slow again and is left alone for a while, and one far slower than the
+        best never comes back on the cost model's word (the model can be optimistic by more than any drift)."""
         age = self.memory.age(plan)
         if age <= 0:
             return measured
         fresh = 0.5 ** (age / STALE_HALF_LIFE)
         now = modelled * self.calibration(family(plan), max_age=STALE_HALF_LIFE // 2)
-        return fresh * measured + (1 - fresh) * min(measured, now)
+        return fresh * measured + (1 - fresh) * min(measured, max(now, MAX_DRIFT * measured))
 
     # ---- choosing ---------------------------------------------------------------------------------------------
     def decide(self, current: Plan | None = None) -> Decision:

@@ -85,8 +85,11 @@ class ControlledDrafter(Drafter):
         self.memory.accepted += float(k[drafted].sum())
         self.memory.rejected += float((k[drafted] < n[drafted]).sum())
         if self.last_start is not None and not self.disturbed():  # e.g. a draft process starting beside it
-            # tokens each row committed: the backup's weaker proposals after a miss and the like are in here
-            self.memory.record_round(self.plan, now - self.last_start, tokens=float((k + 1).float().mean()))
+            # tokens committed per row of the call's batch: the backup's weaker proposals after a miss are in here,
+            # and so are the last rounds of a batch, when the rows that finished commit nothing but the round still
+            # costs most of a full one
+            tokens = float((k + 1).sum()) / self.controller.batch
+            self.memory.record_round(self.plan, now - self.last_start, tokens=tokens)
         self.last_start = now
 
     def _switch(self, decision, verdict: Verdict) -> DraftResult:
