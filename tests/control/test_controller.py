@@ -125,6 +125,10 @@ def test_rows_that_finished_count_as_committing_nothing():
     ControlledDrafter._observe(fake, verdict, 0.05)
     assert memory.tokens[Plan("sync", 2)].value == pytest.approx(1.5)
     assert memory.round_s[Plan("sync", 2)].value == pytest.approx(0.05)
+    # plain steps in our round loop (after a switch) are not the transformers loop a plain call runs: not recorded
+    fake.plan, fake.last_start = Plan("plain"), 0.0
+    ControlledDrafter._observe(fake, verdict, 0.07)
+    assert Plan("plain") not in memory.round_s and memory.clock == 1
 
 
 def test_round_times_shrug_off_one_off_stalls():
