@@ -68,7 +68,7 @@ class Memory:
     hits: float = 0.0
     lookups: float = 0.0
     round_s: dict[Plan, Ema] = field(default_factory=dict)  # measured seconds per round, per plan that ran
-    tokens: dict[Plan, Ema] = field(default_factory=dict)  # measured tokens per row per round, per plan that ran
+    tokens: dict[Plan, Ema] = field(default_factory=dict)  # tokens per round per row of the batch, per plan that ran
     clock: int = 0  # rounds recorded so far, every plan together: how old a measurement is
 
     def record_round(self, plan: Plan, seconds: float, tokens: float | None = None, count: int = 1,
