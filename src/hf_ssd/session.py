@@ -15,7 +15,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 
 from hf_ssd.config import SSDConfig
-from hf_ssd.control.controller import Controller, memory_for
+from hf_ssd.control.controller import Controller, Horizon, memory_for
 from hf_ssd.control.costs import measure_costs
 from hf_ssd.control.drafter import ControlledDrafter, agreed
 from hf_ssd.control.placement import choose_draft_device
@@ -160,7 +160,8 @@ def run_session(
                           RuntimeWarning, stacklevel=2)
             drafter = build(Plan("sync", config.num_draft_tokens or 4))
         else:
-            first = agreed(controller.decide())
+            P = input_ids.shape[1]
+            first = agreed(controller.decide(horizon=Horizon(max(generation_config.max_length - P, 0), P)))
             if pooled is None and worker is None and config.worker == "auto":
                 wanted = controller.process_option(first.plan)
             if plain_hand_off and first.plan.mode == "plain":
@@ -172,7 +173,8 @@ def run_session(
                 _ask_for_process(draft, wanted, pooled, stats, first.plan)
                 stats.controller_memory = controller.memory
                 return None, stats
-            drafter = ControlledDrafter(controller, build, stats, first, disturbed=pool.starting)
+            drafter = ControlledDrafter(controller, build, stats, first, disturbed=pool.starting,
+                                        max_length=generation_config.max_length)
     try:  # from here on the drafter is closed whatever happens (it may hold a kept DraftProcess)
         target_kv = None
         if config.compile_target:
@@ -185,6 +187,8 @@ def run_session(
         rows = engine.run(input_ids.to(target_kv.device), mask.to(target_kv.device))
     finally:
         drafter.close()
+        if target_kv is not None and hasattr(target_kv, "release"):  # static buffers back to the registry, now
+            target_kv.release()
         torch.set_num_threads(threads_before)
     stats.wall_time = time.perf_counter() - start
     stats.draft_forwards = drafter.forwards

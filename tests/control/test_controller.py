@@ -179,7 +179,7 @@ def switching(monkeypatch):
     """A controller that moves to the next plan of PLANS at every decision point."""
     from hf_ssd.control import controller as ctl_mod
 
-    def decide(self, current=None):
+    def decide(self, current=None, horizon=None):
         i = 0 if current is None else (PLANS.index(current) + 1) % len(PLANS)
         return ctl_mod.Decision(PLANS[i], "test: rotate", [])
 
@@ -219,7 +219,7 @@ def test_plain_choice_runs_transformers_own_loop(monkeypatch, do_sample):
     from hf_ssd.control import controller as ctl_mod
 
     monkeypatch.setattr(ctl_mod.Controller, "decide",
-                        lambda self, current=None: ctl_mod.Decision(Plan("plain"), "test: plain is fastest", []))
+                        lambda self, current=None, horizon=None: ctl_mod.Decision(Plan("plain"), "test: plain is fastest", []))
 
     class Recorder(BaseStreamer):
         def __init__(self):
@@ -285,7 +285,7 @@ def test_plain_is_not_calibrated_by_compiled_plans_and_its_hand_off_is_measured(
     memory = Memory()
     monkeypatch.setattr(session, "memory_for", lambda key: memory)
     monkeypatch.setattr(ctl_mod.Controller, "decide",
-                        lambda self, current=None: ctl_mod.Decision(Plan("plain"), "test: plain is fastest", []))
+                        lambda self, current=None, horizon=None: ctl_mod.Decision(Plan("plain"), "test: plain is fastest", []))
     p = get_pair("llama")
     p.target.generate(prompt(6, seed=2), assistant_model=p.related, ssd=True, max_new_tokens=10, do_sample=False,
                       pad_token_id=0)
@@ -316,7 +316,7 @@ def test_plain_choice_with_a_compiled_target_runs_transformers_compiled_loop(mon
     memory = Memory()
     monkeypatch.setattr(session, "memory_for", lambda key: memory)
     monkeypatch.setattr(ctl_mod.Controller, "decide",
-                        lambda self, current=None: ctl_mod.Decision(Plan("plain"), "test: plain is fastest", []))
+                        lambda self, current=None, horizon=None: ctl_mod.Decision(Plan("plain"), "test: plain is fastest", []))
     p = get_pair("llama")
     ids = prompt(6, seed=3)
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)

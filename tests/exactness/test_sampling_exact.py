@@ -257,7 +257,7 @@ def test_distribution_exact_while_the_controller_switches_plans_every_round(mode
     plans = [Plan("ssd", 1, 4, "inline"), Plan("sync", 2), Plan("plain"), Plan("ssd", 2, 4, "inline")]
     seen = []
 
-    def decide(self, current=None):
+    def decide(self, current=None, horizon=None):
         plan = plans[0] if current is None else plans[(plans.index(current) + 1) % len(plans)]
         seen.append(plan)
         return ctl_mod.Decision(plan, "test: rotate", [])

@@ -84,7 +84,7 @@ def test_kept_process_serves_the_controllers_plans_exactly(monkeypatch):
     """A real kept process: once up, the controller's process plans run on it (switching to and from it between
     rounds), the output is plain generate()'s, and it stays up for the next call."""
 
-    def decide(self, current=None):
+    def decide(self, current=None, horizon=None):
         i = 0 if current is None else (ROTATION.index(current) + 1) % len(ROTATION)
         return ctl_mod.Decision(ROTATION[i], "test: rotate", [])
 
@@ -144,7 +144,7 @@ def test_timings_taken_while_a_process_starts_are_not_recorded(monkeypatch):
     monkeypatch.setattr(pool, "starting", lambda: True)
     p = get_pair("llama")
     for plan in (Plan("sync", 2), Plan("plain")):
-        monkeypatch.setattr(ctl_mod.Controller, "decide", lambda self, current=None, plan=plan: ctl_mod.Decision(
+        monkeypatch.setattr(ctl_mod.Controller, "decide", lambda self, current=None, horizon=None, plan=plan: ctl_mod.Decision(
             plan, "test", []))
         p.target.generate(prompt(6, seed=5), assistant_model=p.related, ssd=True, max_new_tokens=16,
                           do_sample=False, pad_token_id=0)

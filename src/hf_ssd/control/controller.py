@@ -70,6 +70,9 @@ class Memory:
     round_s: dict[Plan, Ema] = field(default_factory=dict)  # measured seconds per round, per plan that ran
     tokens: dict[Plan, Ema] = field(default_factory=dict)  # tokens per round per row of the batch, per plan that ran
     clock: int = 0  # rounds recorded so far, every plan together: how old a measurement is
+    # measured / modelled seconds of a drafter's start (its prefill and first drafts): what a draft plan costs a
+    # call before its first round
+    startup: Ema = field(default_factory=lambda: Ema(outlier=None))
 
     def record_round(self, plan: Plan, seconds: float, tokens: float | None = None, count: int = 1,
                      rounds: int | None = None) -> None:
@@ -103,6 +106,15 @@ def record_plain(memory: Memory, step_s: float, steps: int) -> None:
     decode step over `steps` steps: its measured round time, so a plain choice is checked like any other."""
     if steps > 0:
         memory.record_round(Plan("plain"), step_s, count=min(steps, 8), rounds=steps)
+
+
+@dataclass(frozen=True)
+class Horizon:
+    """What is left of a call: `tokens` per row still to generate (at most), and the `context` per row (committed
+    tokens, left padding included) that a drafter starting now would prefill."""
+
+    tokens: int
+    context: int
 
 
 @dataclass
@@ -187,6 +199,25 @@ class Controller:
                   for plan, measured in self.memory.tokens.items() if measured.n >= MIN_ROUNDS and plan.mode == mode]
         return statistics.median(ratios) if ratios else 1.0
 
+    def startup_model(self, plan: Plan, context: int) -> float:
+        """Modelled seconds of starting `plan`'s drafter on `context` tokens per row: the draft's prefill (all
+        threads: the target waits for it) and its first K drafts. Plain decoding has no draft to start."""
+        if plan.mode == "plain":
+            return 0.0
+        draft = self.costs.draft(False, plan.int8)
+        return draft(context) + plan.K * draft(1)
+
+    def startup_s(self, plan: Plan, context: int) -> float:
+        """startup_model, calibrated by the starts measured so far (a long prefill is compute-bound: the cost
+        line, timed on short forwards, may be off by a constant factor)."""
+        ratio = self.memory.startup.value if self.memory.startup.value is not None else 1.0
+        return self.startup_model(plan, context) * ratio
+
+    def record_startup(self, plan: Plan, context: int, seconds: float) -> None:
+        modelled = self.startup_model(plan, context)
+        if modelled > 0:
+            self.memory.startup.add(seconds / modelled)
+
     def predict(self, plan: Plan, aged: bool = False) -> Prediction:
         """The plan's tokens per second, from its measurements where it has run (aged: with old ones leaning toward
         the model, see _aged), else from the calibrated model."""
@@ -220,24 +251,34 @@ class Controller:
         return fresh * measured + (1 - fresh) * min(measured, max(now, MAX_DRIFT * measured))
 
     # ---- choosing ---------------------------------------------------------------------------------------------
-    def decide(self, current: Plan | None = None) -> Decision:
+    def decide(self, current: Plan | None = None, horizon: Horizon | None = None) -> Decision:
         """The plan to run: at the start of a call (current None), with old measurements aged, so a plan measured
         in a slow spell gets re-checked now and then at no switching cost; mid-generation (current: the running
-        plan), from the measurements as they are, switching only for a clear gain."""
-        preds = sorted((self.predict(p, aged=current is None) for p in self.plans), key=lambda x: -x.tokens_per_s)
+        plan), from the measurements as they are, switching only for a clear gain.
+
+        horizon: what is left of the call. Then every draft plan but the running one pays its drafter's start (the
+        draft's prefill of the context) out of that call: a large batch of long prompts generating a few tokens
+        may be faster with plain decoding even where drafting wins per round."""
+        preds = [self.predict(p, aged=current is None) for p in self.plans]
+        if horizon is not None:
+            for pred in preds:
+                pred.horizon = horizon.tokens * self.batch
+                if pred.plan != current:
+                    pred.startup_s = self.startup_s(pred.plan, horizon.context)
+        preds.sort(key=lambda x: -x.call_tokens_per_s)
         best = preds[0]
         # Among plans within 3% of the fastest, take the simplest (plain, sync, ssd; then the smallest tree): less
         # that can go wrong and less work for the same predicted speed.
-        fastest = best.tokens_per_s
+        fastest = best.call_tokens_per_s
         for pred in preds:
-            if pred.tokens_per_s >= fastest * SIMPLER_WITHIN and simpler(pred.plan, best.plan):
+            if pred.call_tokens_per_s >= fastest * SIMPLER_WITHIN and simpler(pred.plan, best.plan):
                 best = pred
         if current is not None and best.plan != current:
             now = next((p for p in preds if p.plan == current), None)
-            if now is not None and best.tokens_per_s < now.tokens_per_s * SWITCH_GAIN:
+            if now is not None and best.call_tokens_per_s < now.call_tokens_per_s * SWITCH_GAIN:
                 return Decision(current, f"keeping {current.label}: {best.plan.label} is predicted "
-                                         f"{best.tokens_per_s / max(now.tokens_per_s, 1e-9):.2f}x, under the "
-                                         f"{SWITCH_GAIN:.2f}x needed to switch", preds[:6])
+                                         f"{best.call_tokens_per_s / max(now.call_tokens_per_s, 1e-9):.2f}x, under "
+                                         f"the {SWITCH_GAIN:.2f}x needed to switch", preds[:6])
         return Decision(best.plan, self._explain(best, preds), preds[:6])
 
     def process_option(self, chosen: Plan) -> Prediction | None:
@@ -256,10 +297,11 @@ class Controller:
     def _explain(self, best: Prediction, preds: list[Prediction]) -> str:
         acc = self.acceptance()
         runner_up = {m: next((p for p in preds if p.plan.mode == m), None) for m in ("plain", "sync", "ssd")}
-        bits = [f"{best.plan.label}: predicted {best.tokens_per_s:.2f} tok/s at alpha={acc.alpha:.2f}"]
+        bits = [f"{best.plan.label}: predicted {best.tokens_per_s:.2f} tok/s{_with_startup(best)} at "
+                f"alpha={acc.alpha:.2f}"]
         for mode, pred in runner_up.items():
             if pred is not None and pred.plan.mode != best.plan.mode:
-                bits.append(f"best {mode} {pred.tokens_per_s:.2f} tok/s ({pred.plan.label})")
+                bits.append(f"best {mode} {pred.tokens_per_s:.2f} tok/s{_with_startup(pred)} ({pred.plan.label})")
         parts = best.parts
         measured = parts.get("measured_round")
         if measured is not None and best.round_s < measured * 0.97:
@@ -269,6 +311,13 @@ class Controller:
             ratio = parts["tree"] / max(parts["verify"], 1e-9)
             bits.append(f"tree of {best.plan.budget} branches = {ratio:.2f} verifies, hit rate ~{best.p_hit:.0%}")
         return "; ".join(bits)
+
+
+def _with_startup(pred: Prediction) -> str:
+    """', X tok/s over this call with its draft prefill (Y s)' where a start-up was priced in."""
+    if pred.startup_s <= 0 or pred.horizon <= 0:
+        return ""
+    return f", {pred.call_tokens_per_s:.2f} over this call with its draft prefill ({pred.startup_s:.1f} s)"
 
 
 def family(plan: Plan) -> str:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from hf_ssd.control.controller import Controller, Decision, Memory
+from hf_ssd.control.controller import Controller, Decision, Horizon, Memory
 from hf_ssd.control.plan import Plan
 from hf_ssd.core.ranks import from_rank0
 from hf_ssd.core.types import DraftResult, Speculation, Verdict
@@ -23,18 +23,23 @@ DECIDE_EVERY = 8  # rounds between re-decisions
 
 class ControlledDrafter(Drafter):
     def __init__(self, controller: Controller, build: Callable[[Plan], Drafter], stats: SSDStats,
-                 decision: Decision | None = None, disturbed: Callable[[], bool] = lambda: False):
+                 decision: Decision | None = None, disturbed: Callable[[], bool] = lambda: False,
+                 max_length: int | None = None):
         """decision: the controller's first decision, if the caller made it already. disturbed: is something else
-        taking the hardware right now (then round times are not recorded: they would not be the plan's own)?"""
+        taking the hardware right now (then round times are not recorded: they would not be the plan's own)?
+        max_length: the call's length limit (prompt included), so a switch is priced with its draft prefill over
+        the tokens left."""
         self.controller, self.build, self.stats = controller, build, stats
         self.disturbed = disturbed
+        self.max_length = max_length
         decision = decision or agreed(controller.decide())
         self.plan = decision.plan
         self.record = {"choice": self.plan.label, "reason": decision.reason, "switches": [],
                        "predicted": [_row(p) for p in decision.table], "probe_s": round(controller.costs.probe_s, 4)}
         stats.controller = self.record
+        # The prompt's prefills (the target's, then the draft's) run alone, on every thread the caller gave; the
+        # plan's split of the cores starts with its rounds (start()).
         self.caller_threads = torch.get_num_threads()
-        self._apply_threads()
         self.current = build(self.plan)
         self.retired_forwards = 0
         self.rounds = 0
@@ -53,7 +58,17 @@ class ControlledDrafter(Drafter):
         return self.retired_forwards + self.current.forwards
 
     def start(self, prompt: torch.Tensor, mask: torch.Tensor) -> Speculation:
-        return self.current.start(prompt, mask)
+        spec = self._timed_start(lambda: self.current.start(prompt, mask), prompt.shape[1])
+        self._apply_threads()
+        return spec
+
+    def _timed_start(self, start: Callable[[], Speculation], context: int) -> Speculation:
+        """Run the drafter's start (its prefill of `context` tokens per row) and calibrate what starts cost."""
+        began = time.perf_counter()
+        spec = start()
+        if self.plan.mode != "plain" and not self.disturbed():
+            self.controller.record_startup(self.plan, context, time.perf_counter() - began)
+        return spec
 
     def begin(self, spec: Speculation) -> None:
         self.spec = spec
@@ -64,7 +79,7 @@ class ControlledDrafter(Drafter):
         self._observe(verdict, now)
         self.rounds += 1
         if self.rounds % DECIDE_EVERY == 0:
-            decision = agreed(self.controller.decide(self.plan))
+            decision = agreed(self.controller.decide(self.plan, self._horizon(verdict)))
             if decision.plan != self.plan:
                 return self._switch(decision, verdict)
         result = self.current.resolve(verdict)
@@ -96,6 +111,13 @@ class ControlledDrafter(Drafter):
             self.memory.record_round(self.plan, now - self.last_start, tokens=tokens)
         self.last_start = now
 
+    def _horizon(self, verdict: Verdict) -> Horizon | None:
+        """What is left of the call: a switch restarts the draft on the longest row's context."""
+        if self.max_length is None or not verdict.contexts:
+            return None
+        context = max(c.shape[0] for c in verdict.contexts)
+        return Horizon(max(self.max_length - context, 0), context)
+
     def _switch(self, decision, verdict: Verdict) -> DraftResult:
         before = self.plan
         self.record["switches"].append({"round": self.rounds, "from": before.label, "to": decision.plan.label,
@@ -105,9 +127,11 @@ class ControlledDrafter(Drafter):
         self.current.close()
         self.plan = decision.plan
         self.record["choice"] = self.plan.label
-        self._apply_threads()
+        torch.set_num_threads(self.caller_threads)  # the restart's prefill runs alone, on every thread
         self.current = self.build(self.plan)
-        spec = self.current.restart(verdict.contexts, verdict.masks())
+        context = max(c.shape[0] for c in verdict.contexts)
+        spec = self._timed_start(lambda: self.current.restart(verdict.contexts, verdict.masks()), context)
+        self._apply_threads()
         self.last_start = None  # the restart's prefill is not a round of the new plan
         return DraftResult(spec)
 

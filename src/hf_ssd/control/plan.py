@@ -73,10 +73,21 @@ class Prediction:
     round_s: float
     p_hit: float | None = None
     parts: dict = field(default_factory=dict)  # seconds of each part of the round, for reasons and `doctor`
+    startup_s: float = 0.0  # seconds before its first round in this call: the draft's prefill (a switch redoes it)
+    horizon: float = 0.0  # tokens (over the batch) the call has left to generate; 0: not known
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens_per_round / self.round_s if self.round_s > 0 else 0.0
+
+    @property
+    def call_tokens_per_s(self) -> float:
+        """Tokens per second over what is left of the call, its start-up included: a draft prefill is paid once per
+        call, so it matters for short generations from long prompts and large batches, and not otherwise."""
+        speed = self.tokens_per_s
+        if self.horizon <= 0 or self.startup_s <= 0 or speed <= 0:
+            return speed
+        return self.horizon / (self.horizon / speed + self.startup_s)
 
 
 def predict(plan: Plan, costs: Costs, acc: Acceptance, batch: int) -> Prediction:

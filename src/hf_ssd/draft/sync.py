@@ -53,6 +53,13 @@ class SyncDrafter(Drafter):
         spec = self._draft(pending[rows], pending_valid[rows])
         return DraftResult(spec, draft_span=self.draft_span)
 
+    def close(self) -> None:
+        # a static cache goes back to the registry now, not whenever garbage collection gets to it: the next
+        # generate() with these shapes then reuses its buffers and compiled graphs instead of building new ones
+        release = getattr(self.draft.kv, "release", None)
+        if release is not None:
+            release()
+
 
 class NullDrafter(Drafter):
     """Proposes nothing: every round is one plain target step. The last resort when the draft model itself fails."""

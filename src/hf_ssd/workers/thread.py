@@ -53,7 +53,17 @@ class ThreadDrafter(Drafter):
         return self.inner.forwards
 
     def start(self, prompt: torch.Tensor, mask: torch.Tensor) -> Speculation:
-        return self._sync(self.pool.submit(self._on_stream, self.inner.start, prompt, mask))
+        # The prefill runs alone (the caller waits for it), so on the caller's threads, not the draft's share.
+        threads = torch.get_num_threads()
+        return self._sync(self.pool.submit(self._alone, threads, self.inner.start, prompt, mask))
+
+    def _alone(self, threads: int, fn, *args):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return self._on_stream(fn, *args)
+        finally:
+            torch.set_num_threads(before)
 
     def begin(self, spec: Speculation) -> None:
         if self.stream is not None:

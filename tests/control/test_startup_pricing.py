@@ -1,0 +1,102 @@
+"""A draft plan pays its drafter's start (the draft's prefill) once per call, and a switch pays it again: the
+controller prices it over the tokens the call has left, and the prefills run on every thread the caller gave."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from hf_ssd.control.controller import Controller, Horizon, Memory
+from hf_ssd.control.costs import Costs, Line
+from hf_ssd.control.plan import Plan
+from hf_ssd.testing import get_pair, left_pad, plain_generate, prompt
+
+BATCH = 16
+
+
+def costs() -> Costs:
+    """A verify of (0.10 s + 2 ms/token), a draft step of (20 ms + 0.5 ms/token): drafting pays per round."""
+    t, d = Line(0.10, 0.002), Line(0.02, 0.0005)
+    return Costs(BATCH, t, d, t, d, (1, 1))
+
+
+def controller(memory: Memory | None = None) -> Controller:
+    return Controller(costs(), memory or Memory(), BATCH, {}, fixed_alpha=0.8)
+
+
+def test_a_long_prompt_and_few_new_tokens_make_plain_the_fastest_call():
+    ctl = controller()
+    per_round = ctl.decide()
+    assert per_round.plan.mode != "plain"  # per round, drafting wins at alpha 0.8
+    short = ctl.decide(horizon=Horizon(tokens=16, context=2000))  # the draft's prefill: ~1 s; plain's call: ~1.6 s
+    assert short.plan.mode == "plain"
+    assert "over this call with its draft prefill" in short.reason
+    long_ = ctl.decide(horizon=Horizon(tokens=512, context=2000))
+    assert long_.plan.mode != "plain"
+    assert "over this call with its draft prefill" in long_.reason
+
+
+def test_the_running_plan_pays_no_start_and_a_switch_does():
+    ctl = controller()
+    running = ctl.decide().plan  # the fastest per round: first in the table
+    table = ctl.decide(current=running, horizon=Horizon(tokens=64, context=500)).table
+    assert [p.startup_s for p in table if p.plan == running] == [0.0]
+    others = [p for p in table if p.plan != running and p.plan.mode != "plain"]
+    assert others and all(p.startup_s > 0 for p in others)
+    assert all(p.startup_s == 0 for p in table if p.plan.mode == "plain")
+
+
+def test_a_switch_is_not_worth_its_restart_near_the_end():
+    """Another plan 1.3x faster per round, but the call has 4 tokens left: the restart's prefill outweighs it."""
+    ctl = controller()
+    sync1 = Plan("sync", 1)
+    assert ctl.decide(current=sync1).plan != sync1  # without a horizon it would switch
+    assert ctl.decide(current=sync1, horizon=Horizon(tokens=4, context=2000)).plan == sync1
+
+
+def test_measured_starts_calibrate_the_price():
+    ctl = controller()
+    plan = Plan("sync", 3)
+    modelled = ctl.startup_s(plan, 800)
+    assert modelled == pytest.approx(ctl.startup_model(plan, 800))
+    for _ in range(4):
+        ctl.record_startup(plan, 800, 3 * modelled)
+    assert ctl.startup_s(plan, 800) == pytest.approx(3 * modelled)
+    assert ctl.startup_s(Plan("plain"), 800) == 0
+
+
+def test_prefills_run_on_every_thread_and_rounds_on_the_plans_split(monkeypatch):
+    """A thread-worker plan splits the cores (1+1) for its rounds; the prompt's prefills (the target's, then the
+    draft's, in the worker thread) run alone and get both threads. Output: plain generate()'s."""
+    from hf_ssd.control import controller as ctl_mod
+    from hf_ssd.runtime import kv as kv_mod
+
+    plan = Plan("ssd", 2, 4, "thread", threads=(1, 1))
+    monkeypatch.setattr(ctl_mod.Controller, "decide",
+                        lambda self, current=None, horizon=None: ctl_mod.Decision(plan, "test: split plan", []))
+    seen: list[tuple[bool, bool, int]] = []  # (prefill, main thread, threads)
+    forward = kv_mod.CachedModel.forward
+
+    def recording(self, *args, prefill=False, **kwargs):
+        seen.append((prefill, threading.current_thread() is threading.main_thread(), torch.get_num_threads()))
+        return forward(self, *args, prefill=prefill, **kwargs)
+
+    monkeypatch.setattr(kv_mod.CachedModel, "forward", recording)
+    pair = get_pair("llama")
+    ids, mask = left_pad([prompt(9, seed=21)[0], prompt(5, seed=22)[0]])
+    ref = plain_generate(pair.target, ids, attention_mask=mask, max_new_tokens=20)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = pair.target.generate(ids, attention_mask=mask, assistant_model=pair.related, ssd=True,
+                                   max_new_tokens=20, do_sample=False, pad_token_id=0)
+        assert torch.get_num_threads() == 2  # the caller's setting comes back
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(out, ref)
+    prefills = [(main, n) for prefill, main, n in seen if prefill]
+    assert {main for main, _ in prefills} == {True, False}  # the target's here, the draft's in the worker
+    assert all(n == 2 for _, n in prefills)
+    rounds = [n for prefill, main, n in seen if main and not prefill]
+    assert rounds and all(n == 1 for n in rounds)
