@@ -26,6 +26,13 @@ def cache_argument(model: PreTrainedModel) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def prefill_logits_argument(model: PreTrainedModel) -> dict:
+    """forward() keywords that skip the LM head for all but the last position (`logits_to_keep=1`), where the model
+    takes them. A prompt's prefill needs no logits at all; over a batch of long prompts the full-vocabulary head (and
+    its float32 copy) costs a fifth of the prefill, and gigabytes."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
 def attention_layout(model: PreTrainedModel) -> tuple[list[str] | None, int | None]:
     """(layer types if the model mixes full and sliding layers, sliding window applied to all others)."""
     text = model.config.get_text_config()
@@ -87,6 +94,7 @@ class CachedModel:
         self.forwards = 0
         self.cache_kw = cache_argument(model)
         self.max_position = position_limit(model)
+        self.prefill_kw = prefill_logits_argument(model)
 
     @property
     def length(self) -> int:
@@ -129,7 +137,8 @@ class CachedModel:
         prefill: bool = False,
     ) -> torch.Tensor:
         """Run `tokens` [B, n] at logical `positions`, append their KV, return float32 logits [B, n, V].
-        (`prefill`: a one-off width; only the static cache cares, never compiling it.)
+        (`prefill`: the prompt, whose logits no one reads: only the last position's come back, where the model can
+        skip the others; the static cache also never compiles it.)
 
         attend: [B, n, L+n] bool, which slots (old and new) each new token may see; default `default_attend`.
         """
@@ -152,7 +161,7 @@ class CachedModel:
         model_positions = positions if self.max_position is None else positions.clamp_max(self.max_position - 1)
         out = self.model(
             input_ids=tokens, position_ids=model_positions, attention_mask=mask, use_cache=True,
-            **{self.cache_kw: self.cache},
+            **{self.cache_kw: self.cache}, **(self.prefill_kw if prefill else {}),
         )
         self.valid = torch.cat([self.valid, new_valid], dim=1)
         self.pos = torch.cat([self.pos, positions], dim=1)

@@ -40,7 +40,8 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, StaticLayer
 
-from hf_ssd.runtime.kv import attention_layout, cache_argument, input_device, position_limit
+from hf_ssd.runtime.kv import (attention_layout, cache_argument, input_device, position_limit,
+                              prefill_logits_argument)
 
 COMPILE_ENABLED = True  # False: the static path runs eagerly even when compile is asked for (debugging, tests)
 BUCKET = 256  # M is rounded up to a multiple of this, so prompts of similar length share buffers and graphs
@@ -100,7 +101,7 @@ def slot_allowed(valid: torch.Tensor, lim: torch.Tensor, branch: torch.Tensor, t
 
 
 def _slot_step(model, cache, cache_kw, w, valid, pos, alive, slot_ids, tokens, positions, new_valid, lim, branch,
-               tree0, window, mixed, dtype, max_position):
+               tree0, window, mixed, dtype, max_position, head_kw=None):
     """One forward of n tokens per row at the rows' write pointers: write validity and positions, build the mask
     over all M slots, run the model (its layers write their KV at the same slots), advance live rows' pointers.
     Fixed shapes in, fixed shapes out, no host reads: this is what torch.compile sees."""
@@ -125,7 +126,7 @@ def _slot_step(model, cache, cache_kw, w, valid, pos, alive, slot_ids, tokens, p
         attention_mask = mask(window)
     model_positions = positions if max_position is None else positions.clamp_max(max_position - 1)
     out = model(input_ids=tokens, position_ids=model_positions, attention_mask=attention_mask, use_cache=True,
-                **{cache_kw: cache})
+                **{cache_kw: cache}, **(head_kw or {}))
     valid.copy_(valid_now)
     pos.copy_(pos_now)
     w.add_(alive.long() * n)
@@ -356,7 +357,7 @@ class StaticCachedModel:
         inputs = [_dense(x) for x in (tokens, positions, new_valid, lim, branch, tree0)]
         args = (self.model, e.cache, self.cache_kw, e.w, e.valid, e.pos, e.alive, e.slot_ids, *inputs,
                 self.window, self.layer_types is not None, self.dtype, self.max_position)
-        logits = _slot_step(*args) if prefill else self._run(e, n, args)
+        logits = _slot_step(*args, prefill_logits_argument(self.model)) if prefill else self._run(e, n, args)
         self._bound += n
         self.forwards += 1
         return self._mine(logits)
