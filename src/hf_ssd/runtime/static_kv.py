@@ -40,8 +40,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, StaticLayer
 
-from hf_ssd.runtime.kv import (attention_layout, cache_argument, input_device, position_limit,
-                              prefill_logits_argument)
+from hf_ssd.runtime.kv import attention_layout, cache_argument, input_device, position_limit, prefill_logits_argument
 
 COMPILE_ENABLED = True  # False: the static path runs eagerly even when compile is asked for (debugging, tests)
 BUCKET = 256  # M is rounded up to a multiple of this, so prompts of similar length share buffers and graphs
