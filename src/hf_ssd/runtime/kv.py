@@ -29,7 +29,7 @@ def cache_argument(model: PreTrainedModel) -> str:
 def prefill_logits_argument(model: PreTrainedModel) -> dict:
     """forward() keywords that skip the LM head for all but the last position (`logits_to_keep=1`), where the model
     takes them. A prompt's prefill needs no logits at all; over a batch of long prompts the full-vocabulary head (and
-    its float32 copy) costs a fifth of the prefill, and gigabytes."""
+    its float32 copy) cost a third of the prefill or more, and gigabytes."""
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 

@@ -265,6 +265,7 @@ class StaticCachedModel:
         self.dtype = model.get_input_embeddings().weight.dtype
         self.layer_types, self.window = attention_layout(model)
         self.cache_kw = cache_argument(model)
+        self.prefill_kw = prefill_logits_argument(model)
         self.batch, self.max_cache_len = batch_size, max_cache_len
         self.compile = compile
         self.hot_widths = set(hot_widths)  # forwards of these widths run compiled (when compile is on)
@@ -356,7 +357,7 @@ class StaticCachedModel:
         inputs = [_dense(x) for x in (tokens, positions, new_valid, lim, branch, tree0)]
         args = (self.model, e.cache, self.cache_kw, e.w, e.valid, e.pos, e.alive, e.slot_ids, *inputs,
                 self.window, self.layer_types is not None, self.dtype, self.max_position)
-        logits = _slot_step(*args, prefill_logits_argument(self.model)) if prefill else self._run(e, n, args)
+        logits = _slot_step(*args, self.prefill_kw) if prefill else self._run(e, n, args)
         self._bound += n
         self.forwards += 1
         return self._mine(logits)
