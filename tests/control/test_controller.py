@@ -118,17 +118,20 @@ def test_rows_that_finished_count_as_committing_nothing():
     from hf_ssd.core.types import Outcome, Speculation, Verdict
 
     memory = Memory()
-    fake = SimpleNamespace(memory=memory, controller=SimpleNamespace(batch=4), plan=Plan("sync", 2),
+    verifies = []
+    fake = SimpleNamespace(memory=memory, controller=SimpleNamespace(batch=4, record_verify=lambda p, s: verifies.append(s)),
+                           plan=Plan("sync", 2),
                            last_start=0.0, disturbed=lambda: False,
                            spec=Speculation(torch.zeros(2, 2, dtype=torch.long), torch.tensor([2, 2]), None, None))
     verdict = Verdict(Outcome(torch.tensor([2, 2]), torch.tensor([5, 6])), torch.tensor([True, True]), [], [], 0.01)
     ControlledDrafter._observe(fake, verdict, 0.05)
     assert memory.tokens[Plan("sync", 2)].value == pytest.approx(1.5)
     assert memory.round_s[Plan("sync", 2)].value == pytest.approx(0.05)
+    assert verifies == [0.01]
     # plain steps in our round loop (after a switch) are not the transformers loop a plain call runs: not recorded
     fake.plan, fake.last_start = Plan("plain"), 0.0
     ControlledDrafter._observe(fake, verdict, 0.07)
-    assert Plan("plain") not in memory.round_s and memory.clock == 1
+    assert Plan("plain") not in memory.round_s and memory.clock == 1 and verifies == [0.01]
 
 
 def test_round_times_shrug_off_one_off_stalls():
@@ -379,3 +382,21 @@ def test_decode_clock_leaves_the_prefill_out(monkeypatch):
     clock(None, scores)
     assert clock.seconds_per_step(13.0, 4) == pytest.approx(1.0)
     assert clock.seconds_per_step(13.0, 1) is None
+
+
+def test_a_compiled_plain_step_is_calibrated_by_the_measured_verifies():
+    """With a compiled target, a plain step is one target forward: the verifies the draft plans measured say how
+    much faster that runs than its eager cost line, better than whole rounds do (they include the draft's work)."""
+    ctl = Controller(costs(), Memory(), 1, {}, fixed_alpha=0.8, plain_compiled=True)
+    sync = Plan("sync", 4)
+    rounds = Ema()
+    rounds.add(0.8 * ctl.model(sync).round_s, count=8)
+    ctl.memory.round_s[sync] = rounds
+    plain = ctl.model(Plan("plain")).round_s
+    assert ctl.predict(Plan("plain")).round_s == pytest.approx(0.8 * plain)
+    for _ in range(8):
+        ctl.record_verify(sync, 0.5 * ctl.model(sync).parts["verify"])
+    assert ctl.predict(Plan("plain")).round_s == pytest.approx(0.5 * plain)
+    # an eager plain (transformers' own loop) keeps the model's price whatever the verifies measured
+    eager = Controller(costs(), ctl.memory, 1, {}, fixed_alpha=0.8)
+    assert eager.predict(Plan("plain")).round_s == pytest.approx(plain)

@@ -12,7 +12,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 
 from hf_ssd.control.costs import Costs
-from hf_ssd.control.plan import Acceptance, Plan, Prediction, candidates, predict
+from hf_ssd.control.plan import Acceptance, Plan, Prediction, candidates, predict, verify_s
 
 MIN_ROUNDS = 4  # rounds a plan must have run before its measured round time replaces the model's
 # A plan's measurement ages as other plans run: after this many rounds (all plans together) it counts half, and
@@ -73,6 +73,9 @@ class Memory:
     # measured / modelled seconds of a drafter's start (its prefill and first drafts): what a draft plan costs a
     # call before its first round
     startup: Ema = field(default_factory=lambda: Ema(outlier=None))
+    # measured / modelled seconds of the target's verify in draft plans: how much faster the target's own forward
+    # runs than its eager cost line (a compiled target), the best guide to a compiled plain step not yet measured
+    verify: Ema = field(default_factory=Ema)
 
     def record_round(self, plan: Plan, seconds: float, tokens: float | None = None, count: int = 1,
                      rounds: int | None = None) -> None:
@@ -178,15 +181,22 @@ class Controller:
         eager forwards, and compiled forwards (ssd_compile) are faster for every family alike, while a slowdown
         (contention on one side's cores) may be the measured family's own. So each family is tried at most once
         before its own measurements take over, and never looks worse than the model says before it has run.
-        Plain decoding is the exception unless the target is compiled: chosen first, it runs transformers' own eager
-        loop, as the model prices it. max_age: only measurements at most this many rounds old count."""
+        Plain decoding is the exception: unless the target is compiled, it runs transformers' own eager loop, as the
+        model prices it; with a compiled target, a plain step is one target forward, so it takes the ratio measured
+        on the verifies of the plans that ran (a whole round's ratio mixes in the draft's work and the hand-over,
+        and underrated a compiled plain step by a third). max_age: only measurements at most this many rounds
+        old count."""
         ratios = {plan: measured.value / max(self.model(plan).round_s, 1e-9)
                   for plan, measured in self.memory.round_s.items()
                   if measured.n >= MIN_ROUNDS and (max_age is None or self.memory.age(plan) <= max_age)}
         own = [r for plan, r in ratios.items() if family(plan) == mode]
         if own:
             return statistics.median(own)
-        if (mode == "plain" and not self.plain_compiled) or not ratios:
+        if mode == "plain" and not self.plain_compiled:
+            return 1.0
+        if mode == "plain" and self.memory.verify.n >= MIN_ROUNDS:
+            return min(1.0, self.memory.verify.value)
+        if not ratios:
             return 1.0
         return min(1.0, statistics.median(ratios.values()))
 
@@ -198,6 +208,11 @@ class Controller:
         ratios = [measured.value * self.batch / max(self.model(plan).tokens_per_round, 1e-9)
                   for plan, measured in self.memory.tokens.items() if measured.n >= MIN_ROUNDS and plan.mode == mode]
         return statistics.median(ratios) if ratios else 1.0
+
+    def record_verify(self, plan: Plan, seconds: float) -> None:
+        """One round's verify of `plan` took `seconds`: its ratio to the target's cost line (calibration("plain"))."""
+        if plan.mode != "plain":
+            self.memory.verify.add(seconds / max(verify_s(plan, self.costs), 1e-9))
 
     def startup_model(self, plan: Plan, context: int) -> float:
         """Modelled seconds of starting `plan`'s drafter on `context` tokens per row: the draft's prefill (all

@@ -109,6 +109,8 @@ class ControlledDrafter(Drafter):
             # costs most of a full one
             tokens = float((k + 1).sum()) / self.controller.batch
             self.memory.record_round(self.plan, now - self.last_start, tokens=tokens)
+            if verdict.verify_s > 0:
+                self.controller.record_verify(self.plan, verdict.verify_s)
         self.last_start = now
 
     def _horizon(self, verdict: Verdict) -> Horizon | None:

@@ -90,6 +90,13 @@ class Prediction:
         return self.horizon / (self.horizon / speed + self.startup_s)
 
 
+def verify_s(plan: Plan, costs: Costs) -> float:
+    """Modelled seconds of the plan's verify (K+1 tokens per row): beside the tree, on the target's share of the
+    cores, for a concurrent SSD worker; on every thread otherwise."""
+    split = plan.mode == "ssd" and plan.worker != "inline" and costs.split is not None
+    return costs.target(split)(plan.K + 1)
+
+
 def predict(plan: Plan, costs: Costs, acc: Acceptance, batch: int) -> Prediction:
     """Predicted tokens per round and seconds per round of `plan`. The engine's own work per round is not modelled:
     the controller calibrates it away with measured round times."""
@@ -100,12 +107,12 @@ def predict(plan: Plan, costs: Costs, acc: Acceptance, batch: int) -> Prediction
     e = expected_tokens_per_round(min(max(acc.alpha, 0.0), 1.0), K)
     if plan.mode == "sync":
         draft = costs.draft(False, plan.int8)
-        verify, drafting = costs.target(False)(K + 1), draft(2) + (K - 1) * draft(1)
+        verify, drafting = verify_s(plan, costs), draft(2) + (K - 1) * draft(1)
         return Prediction(plan, batch * e, verify + drafting, parts={"verify": verify, "draft": drafting})
     concurrent = plan.worker != "inline"
     split = concurrent and costs.split is not None
     draft = costs.draft(split, plan.int8)
-    verify = costs.target(split)(K + 1)
+    verify = verify_s(plan, costs)
     tree = draft(K + 1) + K * draft(plan.budget)
     backup = draft(1) + (K - 1) * draft(1)
     fanout = geometric_fanout(plan.budget, acc.alpha, acc.r, K, top1_miss=acc.top1_miss)
