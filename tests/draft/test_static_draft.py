@@ -26,6 +26,7 @@ from hf_ssd.core.tree import fork
 from hf_ssd.core.types import Forks, Outcome, Verdict
 from hf_ssd.draft.model import DraftModel
 from hf_ssd.draft.saguaro import SaguaroDrafter
+from hf_ssd.draft import static_saguaro
 from hf_ssd.draft.static_saguaro import StaticSaguaroDrafter
 from hf_ssd.runtime import static_kv
 from hf_ssd.runtime.kv import CachedModel
@@ -41,6 +42,13 @@ except ImportError:  # older layout
 K, BUDGET = 3, 4  # glue and tree steps both 4 tokens wide: one compiled graph per (model, batch)
 # backup "jit": the "auto" policy weighs measured times, so two runs could pick different backups
 STATIC = dict(ssd_compile=True, ssd_num_draft_tokens=K, ssd_budget=BUDGET, ssd_worker="inline", ssd_backup="jit")
+
+
+@pytest.fixture(autouse=True)
+def glue_every_round(monkeypatch):
+    """These tests compare the static drafter with the dynamic one draft for draft: the static path's carrying the
+    tree over (which changes what is drafted, exactly) is tested in test_tree_reuse.py."""
+    monkeypatch.setattr(static_saguaro, "REUSE_TREE", False)
 
 
 @pytest.fixture
@@ -317,7 +325,8 @@ def test_compiled_identity_no_breaks_no_recompiles(arch, B, dynamo):
     new = 48
     info = hf_ssd.warmup(p.target, p.related, batch_size=B, max_new_tokens=new, prompt_len=ids.shape[1], K=K,
                          budget=BUDGET, progress=False)
-    assert info["compiled"] and info["widths"] == [1, K + 1]  # the backup's single steps, the glue = the tree
+    # the backup's single steps, the glue = the tree, the first tree step of a round that carries the tree over
+    assert info["compiled"] and info["widths"] == [1, K + 1, BUDGET + 1]
     graphs = counters["stats"]["unique_graphs"]
     ref = plain_generate(p.target, ids, attention_mask=mask, max_new_tokens=new)
     worker = "thread" if B == 2 else "inline"  # compiled graphs run in the draft thread too
@@ -350,7 +359,7 @@ def test_every_width_compiles_before_the_first_round(dynamo):
     assert torch.equal(out.sequences, ref) and out.ssd_stats["draft_compiled"]
     assert out.ssd_stats["draft_compile_s"] > 0
     entry, = [e for e in static_kv.registry_entries(p.related) if e.batch == 1]
-    assert entry.compiled_widths == {1, K + 1}
+    assert entry.compiled_widths == {1, K + 1, BUDGET + 1}
     graphs = counters["stats"]["unique_graphs"]
     out = ssd_generate(p.target, p.related, ids, attention_mask=mask, max_new_tokens=24, return_dict_in_generate=True,
                        **STATIC)  # the JIT backup: single steps after each miss

@@ -13,6 +13,7 @@ test is 1e-3.
 from __future__ import annotations
 
 import itertools
+import sys
 
 import numpy as np
 import pytest
@@ -178,6 +179,55 @@ def test_output_distribution_is_exact(models, name):
         backup = case["ssd"].get("ssd_backup")
         if backup is not None:
             assert set(s["backup_rounds"]) == {backup}, s
+
+
+# The static drafter carrying the tree over (draft.static_saguaro): forced on every round it can (the first included),
+# eager static cache, L = 4 tokens: a delayed branch's speculation (K - 1 drafts, after a round that accepted all)
+# is verified while the row still has tokens to make.
+REUSE_CASES = {
+    "reuse_C05": dict(warp=dict(), ssd=dict(ssd_num_draft_tokens=2, ssd_fanout=[1, 1, 2], ssd_downweight=0.5)),
+    "reuse_topk_delayed": dict(warp=dict(temperature=0.8, top_k=3),
+                               ssd=dict(ssd_num_draft_tokens=2, ssd_fanout=[2, 0, 2])),
+}
+
+
+@pytest.mark.parametrize("name", list(REUSE_CASES))
+def test_output_distribution_is_exact_with_the_tree_carried_over(models, monkeypatch, name):
+    from hf_ssd.draft.static_saguaro import StaticSaguaroDrafter
+    from hf_ssd.runtime import static_kv
+
+    monkeypatch.setattr(static_kv, "COMPILE_ENABLED", False)
+    monkeypatch.setattr(StaticSaguaroDrafter, "_reuse_pays", lambda self: True)
+    monkeypatch.setattr(sys.modules[__name__], "L", 4)
+    case = REUSE_CASES[name]
+    pv, tvs, s = check(models, [PROMPT_A], seed=20 + list(REUSE_CASES).index(name), warp=case["warp"],
+                       ssd_compile=True, ssd_backup="jit", **case["ssd"])
+    assert pv > ALPHA, f"{name}: p={pv:.2e} tv={tvs} stats={s}"
+    assert s["draft_static"] and s["tree_reused"] > 0 and s["fallback_reason"] is None, s
+    assert 0 < s["cache_hits"] < s["cache_lookups"], s
+
+
+def test_a_carried_over_tree_with_wrong_q_is_rejected(models, monkeypatch):
+    """Negative control for the cases above: the drafts of delayed branches (the ones a carried-over tree starts a
+    step late) reported with a q they were not drawn from is a biased sampler, and the check catches it."""
+    from hf_ssd.draft.static_saguaro import StaticSaguaroDrafter
+    from hf_ssd.runtime import static_kv
+
+    finish = StaticSaguaroDrafter._finish_tree
+
+    def misaligned(self, forks, steps, delayed):
+        finish(self, forks, steps, delayed)
+        if delayed is not None and not self.greedy:
+            self.cache.q[delayed] = torch.full_like(self.cache.q[delayed], 1.0 / self.cache.q.shape[-1])
+
+    monkeypatch.setattr(static_kv, "COMPILE_ENABLED", False)
+    monkeypatch.setattr(StaticSaguaroDrafter, "_reuse_pays", lambda self: True)
+    monkeypatch.setattr(StaticSaguaroDrafter, "_finish_tree", misaligned)
+    monkeypatch.setattr(sys.modules[__name__], "L", 4)
+    case = REUSE_CASES["reuse_topk_delayed"]
+    pv, tvs, s = check(models, [PROMPT_A], seed=21, warp=case["warp"], ssd_compile=True, ssd_backup="jit",
+                       **case["ssd"])
+    assert pv < ALPHA, f"the check failed to reject misaligned q (p={pv:.3f}, tv={tvs})"
 
 
 def test_mixed_batch_rows_with_different_prompts(models):

@@ -87,13 +87,15 @@ class DraftModel:
         positions = start[:, None] + pending_valid.long().cumsum(dim=1) - 1
         logits = self.kv.forward(pending, positions.clamp_min(0), pending_valid)[:, -1]
         next_pos = positions[:, -1] + 1
-        tokens, qs = [], []
+        tokens, qs, scores = [], [], []
         for i in range(K):
-            token, q = self.propose(self.scores(logits), fanout[:, i])
+            scores.append(self.scores(logits))
+            token, q = self.propose(scores[-1], fanout[:, i])
             tokens.append(token)
             qs.append(q)
             if i + 1 < K:
                 logits = self.kv.forward(token[:, None], next_pos[:, None] + i, rows_valid[:, None])[:, -1]
+        self.jit_scores = scores  # [B, V] at draft positions 0..K-1: what a next glue forward would compute again
         tokens_t = torch.stack(tokens, dim=1)
         q_t = None if self.greedy else torch.stack(qs, dim=1)
         n = torch.full((B,), K, dtype=torch.long, device=device)

@@ -27,10 +27,11 @@ def drafted_by_model(source: torch.Tensor) -> torch.Tensor:
     return source != SOURCE_NGRAM
 
 class SpeculationCache:
-    """(row, k, t*) -> the K drafted tokens of that branch and the distributions they were drawn from."""
+    """(row, k, t*) -> the drafted tokens of that branch and the distributions they were drawn from."""
 
-    def __init__(self, forks: Forks, tokens: torch.Tensor, q: torch.Tensor | None):
+    def __init__(self, forks: Forks, tokens: torch.Tensor, q: torch.Tensor | None, n: torch.Tensor | None = None):
         self.forks, self.tokens, self.q = forks, tokens, q  # tokens [B, N, K], q [B, N, K, V]
+        self.n = n  # [B, N] drafts per branch (None: K for every branch)
 
     def lookup(self, outcome: Outcome) -> tuple[torch.Tensor, torch.Tensor]:
         """(hit [B] bool, branch index [B]) for every row at once."""
@@ -132,19 +133,20 @@ class SaguaroDrafter(Drafter):
         src_rows = rows[hit_rows]
         from_cache = Speculation(
             c.tokens[src_rows, branch[hit_rows]],
-            torch.full((hit_rows.numel(),), self.K, dtype=torch.long, device=kv.device),
+            torch.full((hit_rows.numel(),), self.K, dtype=torch.long, device=kv.device) if c.n is None
+            else c.n[src_rows, branch[hit_rows]],
             None if c.q is None else c.q[src_rows, branch[hit_rows]],
             torch.full((hit_rows.numel(),), SOURCE_CACHE, dtype=torch.long, device=kv.device),
         )
-        self.cache = None
         parts = [(hit_rows, from_cache)]
         miss_rows = (~hit).nonzero().squeeze(1)
         n_miss = miss_rows.numel()
         self.stats.cache_lookups += B
         self.stats.cache_hits += B - n_miss
-        backup = None
+        backup = self.backup.choose(B) if n_miss else None
+        self._carry_over(hit, src_rows, branch[hit_rows], from_cache.n, backup)
+        self.cache = None
         if n_miss:
-            backup = self.backup.choose(B)
             self.stats.backup_rounds[backup] += 1
             t0 = self.stats.now()
             if backup == "jit":
@@ -162,6 +164,12 @@ class SaguaroDrafter(Drafter):
 
     def close(self) -> None:
         self.cache = None
+
+    def _carry_over(self, hit: torch.Tensor, src_rows: torch.Tensor, branch: torch.Tensor, n: torch.Tensor,
+                    backup: str | None) -> None:
+        """Called once the lookup is done, before any backup runs: the rows that hit (hit [B'] over the kept rows)
+        take branch `branch` of tree row `src_rows` with `n` drafts. Here the tree is simply dropped (the next glue
+        forward recomputes those tokens); the static drafter keeps their KV and scores instead."""
 
     # ---- learning from outcomes ---------------------------------------------------------------------------------
     def _learn(self, outcome: Outcome, hit: torch.Tensor, verify_s: float) -> None:

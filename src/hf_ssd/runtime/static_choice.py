@@ -58,7 +58,8 @@ def static_draft_cache(model: PreTrainedModel, config, batch: int, max_length: i
     `CachedModel` (compile off, offloaded models, absurd lengths, unsupported models). With the process worker the
     child builds it, on its own copy of the model (workers.process).
 
-    Compiled widths: SSD's glue (K + 1), tree step (N branches) and the single steps of its just-in-time backup
+    Compiled widths: SSD's glue (K + 1), tree step (N branches), first tree step with the last draft when the
+    tree is carried over (N + 1, draft.static_saguaro) and the single steps of its just-in-time backup
     after a miss (1: eager, its K serial steps cost so much that the backup policy picks the weaker n-gram);
     synchronous SD's single draft steps (1) and the two pending tokens each round starts with (2). All of them compile
     here, before the prompt, so no round builds a graph (progress: a bar while they do)."""
@@ -75,7 +76,9 @@ def static_draft_cache(model: PreTrainedModel, config, batch: int, max_length: i
     if M > MAX_SLOTS:
         return None
     try:
-        kv = StaticCachedModel(model, batch, M, compile=True, hot_widths=(1, 2) if sync else (1, K + 1, N))
+        # N + 1: the first tree step of a round that carries the tree over (K >= 2, see draft.static_saguaro)
+        widths = (1, 2) if sync else (1, K + 1, N) + ((N + 1,) if K >= 2 else ())
+        kv = StaticCachedModel(model, batch, M, compile=True, hot_widths=widths)
     except (ValueError, TypeError, AttributeError) as exc:  # layouts CachedModel would also refuse, odd configs
         warnings.warn(f"hf_ssd: ssd_compile: the static draft cache does not support this model ({exc}); using the "
                       "dynamic cache.", RuntimeWarning, stacklevel=2)

@@ -427,6 +427,36 @@ class StaticCachedModel:
             s = e.slot_ids[None, :]
             e.valid &= ~((s >= start[:, None]) & (s < stop))
 
+    @torch.inference_mode()
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor, keep: torch.Tensor) -> None:
+        """Per row, copy the KV and position of slots src[b, j] to slots dst[b, j] ([B', J] each; gathered before
+        anything is written, so the two may overlap) and make dst[b, j] valid where keep[b, j]. A source slot may be
+        past the write pointer (a dropped tree branch: invalid, but its KV is still there until overwritten).
+        Entries with keep False go to a slot the caller knows is free and leave validity alone (a row with nothing to
+        copy passes src == dst)."""
+        e = self.entry
+        src, dst = self._full(src.to(self.device), 0), self._full(dst.to(self.device), 0)
+        keep = self._full(keep.to(self.device), False)
+        for layer in e.cache.layers:
+            for buf in (layer.keys, layer.values):
+                B, H, _, D = buf.shape
+                moved = buf.gather(2, src[:, None, :, None].expand(B, H, src.shape[1], D))
+                buf.scatter_(2, dst[:, None, :, None].expand(B, H, dst.shape[1], D), moved)
+        e.pos.scatter_(1, dst, e.pos.gather(1, src))
+        e.valid.scatter_(1, dst, e.valid.gather(1, dst) | keep)
+
+    @torch.inference_mode()
+    def set_pointer(self, w: torch.Tensor) -> None:
+        """Move each row's write pointer to w[b] (forward or back; slots from there on must already be invalid,
+        which `copy_slots` into slots below w keeps true)."""
+        e = self.entry
+        w = w.to(self.device)
+        if self._rows_t is None:
+            e.w.copy_(w)
+        else:
+            e.w[self._rows_t] = w
+        e.valid &= e.slot_ids[None, :] < e.w[:, None]
+
     def trim(self) -> None:
         """Nothing to crop; refresh the host bound of the write pointers (one host read: call it off the hot path)."""
         self._bound = int(self.entry.w.max())

@@ -54,6 +54,7 @@ class SSDStats:
     draft_static: bool = False  # the Saguaro draft side ran on the static, fixed-shape cache (ssd_compile)
     draft_compiled: bool = False  # ... and its glue and tree forwards ran as compiled graphs
     draft_compile_s: float = 0.0  # seconds this generation spent compiling them (0 when already compiled)
+    tree_reused: int = 0  # rounds whose tree carried the previous round's draft KV over instead of a glue forward
     timeline: list[RoundRecord] = field(default_factory=list)
     wall_time: float = 0.0
     started: float = field(default_factory=time.perf_counter)
@@ -142,6 +143,7 @@ class SSDStats:
             "draft_static": self.draft_static,
             "draft_compiled": self.draft_compiled,
             "draft_compile_s": self.draft_compile_s,
+            "tree_reused": self.tree_reused,
             "phase_means_s": {k: round(v, 6) for k, v in self.phase_means().items()},
             "overlap_fraction": self.overlap_fraction(),
             "wall_time_s": round(self.wall_time, 4),
