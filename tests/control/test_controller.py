@@ -400,3 +400,19 @@ def test_a_compiled_plain_step_is_calibrated_by_the_measured_verifies():
     # an eager plain (transformers' own loop) keeps the model's price whatever the verifies measured
     eager = Controller(costs(), ctl.memory, 1, {}, fixed_alpha=0.8)
     assert eager.predict(Plan("plain")).round_s == pytest.approx(plain)
+
+
+def test_a_switch_to_plain_mid_generation_is_priced_as_our_loop_runs_it():
+    """Mid-generation, plain runs as one-token rounds of our loop (eager), not as the compiled transformers loop a
+    call hands off to: a compiled speed-up measured on the verifies makes plain the first choice of a call, but no
+    reason to switch to it mid-call."""
+    ctl = Controller(costs(), Memory(), 1, {"mode": ("plain", "sync"), "K": (4,)}, fixed_alpha=0.5,
+                     plain_compiled=True)
+    sync = Plan("sync", 4)
+    ctl.memory.record_round(sync, 0.9 * ctl.model(sync).round_s, tokens=ctl.model(sync).tokens_per_round, count=8)
+    for _ in range(8):
+        ctl.record_verify(sync, 0.3 * ctl.model(sync).parts["verify"])
+    assert ctl.predict(Plan("plain")).tokens_per_s > 1.1 * ctl.predict(sync).tokens_per_s
+    assert ctl.decide().plan == Plan("plain")
+    assert ctl.model(Plan("plain")).tokens_per_s < ctl.predict(sync).tokens_per_s
+    assert ctl.decide(current=sync).plan == sync

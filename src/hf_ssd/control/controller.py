@@ -233,9 +233,19 @@ class Controller:
         if modelled > 0:
             self.memory.startup.add(seconds / modelled)
 
-    def predict(self, plan: Plan, aged: bool = False) -> Prediction:
+    def predict(self, plan: Plan, aged: bool = False, in_loop: bool = False) -> Prediction:
         """The plan's tokens per second, from its measurements where it has run (aged: with old ones leaning toward
-        the model, see _aged), else from the calibrated model."""
+        the model, see _aged), else from the calibrated model.
+
+        in_loop: a switch mid-generation. Plain then runs as one-token rounds of our loop, not as transformers' own
+        loop (what plain's measurements and its compiled calibration are of): eager (the compiled verify widths
+        start at 2) and with our per-round work, so it is priced at the eager cost line or the hand-off's measured
+        price, whichever is slower. Priced like a hand-off, a compiled target made a switch to plain look a third
+        faster than it ran."""
+        if in_loop and plan.mode == "plain":
+            pred = self.predict(plan, aged=aged)
+            pred.round_s = max(pred.round_s, self.model(plan).round_s)
+            return pred
         pred = self.model(plan)
         measured = self.memory.round_s.get(plan)
         if measured is not None and measured.n >= MIN_ROUNDS:
@@ -274,7 +284,7 @@ class Controller:
         horizon: what is left of the call. Then every draft plan but the running one pays its drafter's start (the
         draft's prefill of the context) out of that call: a large batch of long prompts generating a few tokens
         may be faster with plain decoding even where drafting wins per round."""
-        preds = [self.predict(p, aged=current is None) for p in self.plans]
+        preds = [self.predict(p, aged=current is None, in_loop=current is not None) for p in self.plans]
         if horizon is not None:
             for pred in preds:
                 pred.horizon = horizon.tokens * self.batch
