@@ -73,11 +73,13 @@ class SaguaroDrafter(Drafter):
         self.after_hit = torch.tensor(hit, device=device)
         self.after_miss = torch.tensor(miss, device=device)
 
-    def _fanout(self, source: torch.Tensor) -> torch.Tensor:
+    def _fanout(self, source: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         """[B, K+1] fan-out per row: the after-hit schedule for speculations the draft model wrote (from the cache,
         or just in time: the first round's, a JIT backup's), the after-miss one for the n-gram backup's, which
-        accept differently."""
-        return torch.where(drafted_by_model(source)[:, None], self.after_hit[None], self.after_miss[None])
+        accept differently. A speculation of n < K drafts has its all-accepted outcome at position n: that position
+        gets F_K, the all-accepted fan-out (F_n is for n accepted and d_{n+1} rejected, which cannot happen)."""
+        fan = torch.where(drafted_by_model(source)[:, None], self.after_hit[None], self.after_miss[None])
+        return fan.scatter(1, n[:, None], fan[:, self.K:])
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
     def start(self, prompt: torch.Tensor, mask: torch.Tensor) -> Speculation:
@@ -91,7 +93,7 @@ class SaguaroDrafter(Drafter):
         kv, K = self.draft.kv, self.K
         self.spec = spec
         tokens, n = spec.tokens.to(kv.device), spec.n.to(kv.device)
-        fanout = self._fanout(spec.source.to(kv.device))
+        fanout = self._fanout(spec.source.to(kv.device), n)
         self.glue_start = kv.length
         start = kv.next_position()
         past_valid = kv.valid.clone()

@@ -92,7 +92,7 @@ class StaticSaguaroDrafter(SaguaroDrafter):
         kv, K, N = self.draft.kv, self.K, self.N
         tokens, n = spec.tokens.to(kv.device), spec.n.to(kv.device)
         B = tokens.shape[0]
-        fanout = self._fanout(spec.source.to(kv.device))
+        fanout = self._fanout(spec.source.to(kv.device), n)
         glue = kv.write_pointer()  # [B] slot of t_prev in each row
         self.glue_start = glue
         start = kv.next_position()
@@ -120,7 +120,7 @@ class StaticSaguaroDrafter(SaguaroDrafter):
         kv, K, N = self.draft.kv, self.K, self.N
         tokens, n = spec.tokens.to(kv.device), spec.n.to(kv.device)
         B = tokens.shape[0]
-        fanout = self._fanout(spec.source.to(kv.device))
+        fanout = self._fanout(spec.source.to(kv.device), n)
         w = kv.write_pointer()  # [B] the slot d_n goes to: t_prev, d_1..d_{n-1} are below it
         glue = w - n
         self.glue_start = glue
