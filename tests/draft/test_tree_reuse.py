@@ -198,6 +198,11 @@ def test_reuse_pays_only_where_it_shortens_the_round(monkeypatch):
     assert d._reuse_pays()
     monkeypatch.setattr(d.planner, "alpha", (1.0, None))  # every round accepts all: each would lose a draft
     assert not d._reuse_pays()
+    d.t_forward.total, d.t_forward.count = 0.5, 1  # even where a forward is half the round (K + 1 = 4 of 2.0)
+    assert not d._reuse_pays()
+    monkeypatch.setattr(d.planner, "alpha", (0.9, None))  # there the loss (0.53 tokens of 3.44 per round) is covered
+    assert d._reuse_pays()
+    d.t_forward.total = 0.3
     d.t_forward.add(0.01)  # the tree hides behind the verify anyway: nothing to save
     d.t_forward.total = d.t_forward.last = 0.01
     d.t_forward.count = 1

@@ -37,6 +37,7 @@ from hf_ssd.runtime.static_kv import SlotAttend
 from hf_ssd.runtime.stats import SSDStats
 
 REUSE_TREE = True  # False: always run the glue forward (drafts exactly what the dynamic SaguaroDrafter drafts)
+REUSE_MARGIN, REUSE_SLACK = 1.25, 0.02  # carry over only if the round gets shorter by 1.25x the token loss + 2%
 
 
 class StaticSaguaroDrafter(SaguaroDrafter):
@@ -229,7 +230,9 @@ class StaticSaguaroDrafter(SaguaroDrafter):
         """Carrying the tree over saves one of the tree's K + 1 forwards, which shortens the round where the tree is
         the slower side, but a round whose drafts were all accepted is then followed by a speculation of K - 1
         drafts: about α^(2K) fewer tokens per round (α^K of the rounds, each losing α^K). Decided from the measured
-        verify and tree-forward times and the estimated α (host numbers, no device read). At α = 1 it never pays."""
+        verify and tree-forward times and the estimated α (host numbers, no device read), with a margin: the loss
+        in tokens is certain, the saving is a noisy timing and leaves out the KV copy. At α = 1 it never pays (the
+        overhead workload at α = 1 lost a fifth of its tokens for a round that did not get a fifth shorter)."""
         v, f = self.backup.t_verify.value, self.t_forward.value
         if v is None or f is None:
             return False
@@ -238,7 +241,7 @@ class StaticSaguaroDrafter(SaguaroDrafter):
         alpha = min(max(fixed if fixed is not None else self.planner.hit.alpha.value, 0.0), 1.0)
         loss = alpha ** (2 * K) / expected_tokens_per_round(alpha, K)
         saving = 1.0 - max(v, K * f) / max(v, (K + 1) * f)
-        return saving > loss
+        return saving > REUSE_MARGIN * loss + REUSE_SLACK
 
     def _jit(self, rows_valid: torch.Tensor) -> Speculation:
         """Neural backup (its single steps run compiled). Then every row's pointer goes back to where it was, or,
