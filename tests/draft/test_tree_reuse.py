@@ -193,6 +193,11 @@ def test_compiled_with_the_tree_carried_over(always_reuse):
 def test_reuse_pays_only_where_it_shortens_the_round(monkeypatch):
     d = _drafter(get_pair("llama").related, 1, True)
     d.backup.t_verify.add(1.0)
+    d.t_forward.add(0.3)
+    assert not d._reuse_pays()  # no acceptance observed yet: the α estimate is its prior
+    for _ in range(8):
+        d.planner.observe(True, 2, K)
+    d.t_forward = type(d.t_forward)()
     d.t_forward.add(0.3)  # a tree of K + 1 = 4 forwards (1.2) is slower than the verify: one fewer saves 17%
     monkeypatch.setattr(d.planner, "alpha", (0.7, None))
     assert d._reuse_pays()

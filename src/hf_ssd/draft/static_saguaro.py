@@ -38,6 +38,7 @@ from hf_ssd.runtime.stats import SSDStats
 
 REUSE_TREE = True  # False: always run the glue forward (drafts exactly what the dynamic SaguaroDrafter drafts)
 REUSE_MARGIN, REUSE_SLACK = 1.25, 0.02  # carry over only if the round gets shorter by 1.25x the token loss + 2%
+REUSE_MIN_ROUNDS = 8  # rows' rounds observed before the α estimate is trusted to decide
 
 
 class StaticSaguaroDrafter(SaguaroDrafter):
@@ -234,10 +235,11 @@ class StaticSaguaroDrafter(SaguaroDrafter):
         in tokens is certain, the saving is a noisy timing and leaves out the KV copy. At α = 1 it never pays (the
         overhead workload at α = 1 lost a fifth of its tokens for a round that did not get a fifth shorter)."""
         v, f = self.backup.t_verify.value, self.t_forward.value
-        if v is None or f is None:
+        fixed = self.planner.alpha[0]
+        # the α estimate starts at a prior of 0.7: near α = 1 the first rounds of every call would carry over
+        if v is None or f is None or (fixed is None and self.planner.hit.alpha.n < REUSE_MIN_ROUNDS):
             return False
         K = self.K
-        fixed = self.planner.alpha[0]
         alpha = min(max(fixed if fixed is not None else self.planner.hit.alpha.value, 0.0), 1.0)
         loss = alpha ** (2 * K) / expected_tokens_per_round(alpha, K)
         saving = 1.0 - max(v, K * f) / max(v, (K + 1) * f)
