@@ -216,9 +216,10 @@ def test_reuse_pays_only_where_it_shortens_the_round(monkeypatch):
 
 
 def test_a_short_speculation_gets_the_all_accepted_fan_out():
-    """A speculation of n < K drafts (a delayed branch's, an n-gram's) has its all-accepted outcome at position n:
-    it gets F_K there. With F_n instead (meant for a rejection at n + 1), a schedule that puts its budget on the
-    all-accepted branch (α near 1) left that outcome without guesses: the hit rate fell from 100% to 60%."""
-    d = _drafter(get_pair("llama").related, 2, True, fanout=[1, 1, 0, 3])
-    fan = d._fanout(torch.tensor([0, 0]), torch.tensor([K, K - 1]))
-    assert fan.tolist() == [[1, 1, 0, 3], [1, 1, 3, 3]]
+    """A speculation of n < K drafts (a delayed branch's, an n-gram's) has no outcome past position n: position n
+    (all accepted) takes the guesses of positions n..K. With F_n alone, a schedule that puts its budget on the
+    all-accepted branch (α near 1) left that outcome without guesses (hit rate 100% -> 60%); with F_K alone, an
+    n-gram speculation with no drafts (n = 0) got the after-miss schedule's F_K = 0 guesses."""
+    d = _drafter(get_pair("llama").related, 3, True, fanout=[1, 1, 0, 3])
+    fan = d._fanout(torch.tensor([0, 0, 0]), torch.tensor([K, K - 1, 0]))
+    assert fan.tolist() == [[1, 1, 0, 3], [1, 1, 3, 3], [5, 1, 0, 3]]

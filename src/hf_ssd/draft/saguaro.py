@@ -76,10 +76,12 @@ class SaguaroDrafter(Drafter):
     def _fanout(self, source: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         """[B, K+1] fan-out per row: the after-hit schedule for speculations the draft model wrote (from the cache,
         or just in time: the first round's, a JIT backup's), the after-miss one for the n-gram backup's, which
-        accept differently. A speculation of n < K drafts has its all-accepted outcome at position n: that position
-        gets F_K, the all-accepted fan-out (F_n is for n accepted and d_{n+1} rejected, which cannot happen)."""
+        accept differently. A speculation of n < K drafts has no outcomes past position n: position n (all
+        accepted) gets the guesses of positions n..K, F_n + ... + F_K, so the all-accepted guesses (F_K) are not
+        lost and the tree keeps its width."""
         fan = torch.where(drafted_by_model(source)[:, None], self.after_hit[None], self.after_miss[None])
-        return fan.scatter(1, n[:, None], fan[:, self.K:])
+        tail = fan.flip(1).cumsum(dim=1).flip(1)  # tail[:, j] = F_j + ... + F_K
+        return fan.scatter(1, n[:, None], tail.gather(1, n[:, None]))
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
     def start(self, prompt: torch.Tensor, mask: torch.Tensor) -> Speculation:

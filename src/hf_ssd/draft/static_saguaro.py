@@ -61,7 +61,8 @@ class StaticSaguaroDrafter(SaguaroDrafter):
     def _plan(self) -> None:
         super()._plan()
         self.hit_host = list(self.stats.fanout_after_hit)  # host copies: no device read to size the math
-        self.f_max = max(1, *self.hit_host, *self.stats.fanout_after_miss)
+        # a short speculation's all-accepted position takes F_n + ... + F_K (`_fanout`): at most a schedule's sum
+        self.f_max = max(1, sum(self.hit_host), sum(self.stats.fanout_after_miss))
 
     def start(self, prompt: torch.Tensor, mask: torch.Tensor) -> Speculation:
         self.carried = None
