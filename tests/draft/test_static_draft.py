@@ -244,34 +244,6 @@ def test_sampled_generate_static_equals_dynamic(eager, monkeypatch):
 
 
 # ---- no host reads on the hot path ------------------------------------------------------------------------------------
-SYNC_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero")
-
-
-@pytest.fixture
-def host_reads(monkeypatch):
-    """Counts every Python-level read of a tensor's values on the host while `counting` is set."""
-    calls: list[str] = []
-    state = {"on": False}
-    for name in SYNC_METHODS:
-        original = getattr(torch.Tensor, name)
-
-        def patched(self, *args, _name=name, _original=original, **kwargs):
-            if state["on"]:
-                calls.append(_name)
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, patched)
-    original_nonzero = torch.nonzero
-
-    def nonzero(*args, **kwargs):
-        if state["on"]:
-            calls.append("torch.nonzero")
-        return original_nonzero(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "nonzero", nonzero)
-    return calls, state
-
-
 @pytest.mark.parametrize("arch,greedy", [(a, True) for a in ARCHS] + [("llama", False), ("gemma3", False)])
 def test_no_host_sync_on_the_hot_path(arch, greedy, host_reads, eager):
     """From the start of a round's tree to its lookup (glue forward, fork, K tree steps with proposals, lookup),

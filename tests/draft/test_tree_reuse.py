@@ -126,20 +126,10 @@ def test_identity_other_shapes_and_workers(K_, eager, always_reuse):
         assert s["tree_reused"] + s["backup_rounds"].get("ngram", 0) <= s["rounds"] - 1, (worker, backup, s)
 
 
-def test_sampled_rows_carry_over_without_host_reads(eager, always_reuse, monkeypatch):
+def test_sampled_rows_carry_over_without_host_reads(eager, always_reuse, host_reads):
     """T > 0, a dead row: the carried-over round's tree (first step with d_n, delayed branches) reads nothing on the
     host; its q are distributions and a delayed branch's last slot is padding (n = K - 1)."""
-    calls = []
-    state = {"on": False}
-    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero"):
-        original = getattr(torch.Tensor, name)
-
-        def patched(self, *args, _name=name, _original=original, **kwargs):
-            if state["on"]:
-                calls.append(_name)
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, patched)
+    calls, state = host_reads
     warpers = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(20)])
     d = _drafter(get_pair("qwen2").related, 3, True, greedy=False, warpers=warpers, seed=3, fanout=[2, 1, 0, 2])
     ids, mask = _batch()
