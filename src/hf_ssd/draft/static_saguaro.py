@@ -56,6 +56,7 @@ class StaticSaguaroDrafter(SaguaroDrafter):
         # for _jit: (hit rows, their carried scores), or (None, None) when every row is the JIT's; None: keep nothing
         self._hits: tuple | None = None
         self.t_forward = Mean()  # seconds of one tree forward (the tree's time over its forwards)
+        self.tree_scores: list[torch.Tensor] | None = None  # each tree step's [B, N, V] scores, kept for _carry_over
         stats.draft_static = True
 
     def _plan(self) -> None:
@@ -161,8 +162,10 @@ class StaticSaguaroDrafter(SaguaroDrafter):
 
     def _finish_tree(self, forks: Forks, steps: list, delayed: torch.Tensor | None) -> None:
         """The speculation cache from the K steps' (scores, tokens, q): a delayed branch's drafts are its tokens of
-        steps 2..K (delayed None: no branch is). Keeps every step's scores for the next round to reuse."""
-        self.tree_scores = [scores for scores, _, _ in steps]
+        steps 2..K (delayed None: no branch is). Keeps every step's scores for the next round to reuse, only where
+        it may (K [B, N, V] tensors: hundreds of MB at batch 16 with a 150k vocabulary)."""
+        keep = self.reuse and self._reuse_pays()
+        self.tree_scores = [scores for scores, _, _ in steps] if keep else None
         self.delayed = delayed if delayed is not None else torch.zeros_like(forks.valid)
 
         def per_branch(xs: list, mask: torch.Tensor | None) -> torch.Tensor:
@@ -183,7 +186,7 @@ class StaticSaguaroDrafter(SaguaroDrafter):
         """Rows that hit keep their branch's KV (copied from its tree slots to the row's next slots) and scores; a
         JIT backup keeps its own (`_jit`). An n-gram backup computed nothing to keep: then every row runs the glue."""
         self._hits = None
-        if not self.reuse or backup == "ngram" or not self._reuse_pays():
+        if self.tree_scores is None or backup == "ngram" or not self._reuse_pays():
             return
         self.stats.tree_reused += 1
         kv, K, N = self.draft.kv, self.K, self.N
