@@ -186,7 +186,8 @@ class StaticSaguaroDrafter(SaguaroDrafter):
         """Rows that hit keep their branch's KV (copied from its tree slots to the row's next slots) and scores; a
         JIT backup keeps its own (`_jit`). An n-gram backup computed nothing to keep: then every row runs the glue."""
         self._hits = None
-        if self.tree_scores is None or backup == "ngram" or not self._reuse_pays():
+        tree_scores, self.tree_scores = self.tree_scores, None  # not kept past this round (memory)
+        if tree_scores is None or backup == "ngram" or not self._reuse_pays():
             return
         self.stats.tree_reused += 1
         kv, K, N = self.draft.kv, self.K, self.N
@@ -207,7 +208,7 @@ class StaticSaguaroDrafter(SaguaroDrafter):
         kv.set_pointer(new_w)
         kv.trim()
         # scores at draft positions 0..K-1 of the branch (positions n.. are never read)
-        picked = torch.stack([s[src_rows, branch] for s in self.tree_scores], dim=1)  # [H, K, V] by step
+        picked = torch.stack([s[src_rows, branch] for s in tree_scores], dim=1)  # [H, K, V] by step
         scores = picked.gather(1, step[..., None].expand(-1, -1, picked.shape[-1]))
         if backup is None:  # every row hit
             self.carried = scores
