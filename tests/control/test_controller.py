@@ -416,3 +416,33 @@ def test_a_switch_to_plain_mid_generation_is_priced_as_our_loop_runs_it():
     assert ctl.decide().plan == Plan("plain")
     assert ctl.model(Plan("plain")).tokens_per_s < ctl.predict(sync).tokens_per_s
     assert ctl.decide(current=sync).plan == sync
+
+
+def test_a_decisions_shared_work_gives_the_plans_own_predictions():
+    """decide() computes the model's predictions and the calibrations once per decision (Controller._shared): its
+    table must hold each plan's own prediction, after measurements that move the calibration."""
+    c = costs()
+    ctl = Controller(c, Memory(), 1, {})
+    sync, ssd = Plan("sync", 3), Plan("ssd", 3, 8, "thread", threads=(1, 1))
+    ctl.memory.record_round(sync, 0.5 * ctl.model(sync).round_s, tokens=4.0, count=8)  # sync runs twice as fast
+    ctl.memory.accepted, ctl.memory.rejected = 90.0, 10.0
+    for _ in range(2):  # and again after more measurements
+        table = ctl.decide().table
+        assert len(table) > 1
+        for pred in table:
+            assert pred.tokens_per_s == pytest.approx(ctl.predict(pred.plan, aged=True).tokens_per_s)
+        ctl.memory.record_round(ssd, 3.0 * ctl.model(ssd).round_s, tokens=2.0, count=8)
+    ctl.model(ssd).parts["tree"] = -1.0  # a caller editing its copy changes no other prediction
+    assert ctl.model(ssd).parts["tree"] > 0
+
+
+def test_decisions_take_a_bounded_share_of_the_rounds():
+    """Re-deciding predicts every plan (milliseconds): at most every DECIDE_EVERY rounds and never more than
+    DECIDE_SHARE of the time since the last decision, so fast compiled rounds are not spent predicting."""
+    from hf_ssd.control.drafter import DECIDE_EVERY, DECIDE_SHARE, decision_due
+
+    assert not decision_due(DECIDE_EVERY - 1, 10.0, 0.0)
+    assert decision_due(DECIDE_EVERY, 1.0, 0.0)
+    decide_s = 0.003
+    assert not decision_due(DECIDE_EVERY, 0.9 * decide_s / DECIDE_SHARE, decide_s)  # 8 rounds of 9 ms: too soon
+    assert decision_due(DECIDE_EVERY, 1.1 * decide_s / DECIDE_SHARE, decide_s)

@@ -153,6 +153,18 @@ class Controller:
         self.plans = plans
         if not self.plans:
             raise ValueError(f"no decoding plan satisfies the given options {allowed}")
+        # A decision predicts every plan (about 200), and each prediction calibrates against every plan that ran:
+        # uncached, a decision cost 14 ms on the project's CPU, more than a compiled round. Within one decision
+        # nothing is measured, so what the predictions share is computed once (None: outside a decision).
+        self._memo: dict | None = None
+
+    def _shared(self, key: tuple, compute):
+        """compute(), once per decision for `key`."""
+        if self._memo is None:
+            return compute()
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
 
     def _permitted(self, p: Plan) -> bool:
         a = self.allowed
@@ -169,8 +181,9 @@ class Controller:
         return Acceptance(alpha=alpha, alpha_backup=None, r=self.prior.r, top1_miss=self.prior.top1_miss)
 
     def model(self, plan: Plan) -> Prediction:
-        """The cost model's prediction, before any calibration."""
-        return predict(plan, self.costs, self.acceptance(), self.batch)
+        """The cost model's prediction, before any calibration (a fresh copy: callers adjust it)."""
+        pred = self._shared(("model", plan), lambda: predict(plan, self.costs, self.acceptance(), self.batch))
+        return replace(pred, parts=dict(pred.parts))
 
     def calibration(self, mode: str, max_age: int | None = None) -> float:
         """Measured / modelled round time of the plans of `mode` (a plan `family`) that ran: the engine's own work,
@@ -186,6 +199,9 @@ class Controller:
         on the verifies of the plans that ran (a whole round's ratio mixes in the draft's work and the hand-over,
         and underrated a compiled plain step by a third). max_age: only measurements at most this many rounds
         old count."""
+        return self._shared(("calibration", mode, max_age), lambda: self._calibration(mode, max_age))
+
+    def _calibration(self, mode: str, max_age: int | None) -> float:
         ratios = {plan: measured.value / max(self.model(plan).round_s, 1e-9)
                   for plan, measured in self.memory.round_s.items()
                   if measured.n >= MIN_ROUNDS and (max_age is None or self.memory.age(plan) <= max_age)}
@@ -205,6 +221,9 @@ class Controller:
         it changes when the tokens come, not how many). The model's tokens per round assume every round drafts as
         well as the primary draft; an SSD round that missed and took the n-gram backup commits fewer, which only the
         measured rounds show."""
+        return self._shared(("yield", mode), lambda: self._yield_calibration(mode))
+
+    def _yield_calibration(self, mode: str) -> float:
         ratios = [measured.value * self.batch / max(self.model(plan).tokens_per_round, 1e-9)
                   for plan, measured in self.memory.tokens.items() if measured.n >= MIN_ROUNDS and plan.mode == mode]
         return statistics.median(ratios) if ratios else 1.0
@@ -284,7 +303,11 @@ class Controller:
         horizon: what is left of the call. Then every draft plan but the running one pays its drafter's start (the
         draft's prefill of the context) out of that call: a large batch of long prompts generating a few tokens
         may be faster with plain decoding even where drafting wins per round."""
-        preds = [self.predict(p, aged=current is None, in_loop=current is not None) for p in self.plans]
+        self._memo = {}
+        try:
+            preds = [self.predict(p, aged=current is None, in_loop=current is not None) for p in self.plans]
+        finally:
+            self._memo = None
         if horizon is not None:
             for pred in preds:
                 pred.horizon = horizon.tokens * self.batch

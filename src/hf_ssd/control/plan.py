@@ -115,7 +115,8 @@ def predict(plan: Plan, costs: Costs, acc: Acceptance, batch: int) -> Prediction
     verify = verify_s(plan, costs)
     tree = draft(K + 1) + K * draft(plan.budget)
     backup = draft(1) + (K - 1) * draft(1)
-    fanout = geometric_fanout(plan.budget, acc.alpha, acc.r, K, top1_miss=acc.top1_miss)
+    # α to 3 decimals: the fan-out is cached per α (core.fanout), and the measured α moves every round
+    fanout = geometric_fanout(plan.budget, round(acc.alpha, 3), acc.r, K, top1_miss=acc.top1_miss)
     p_hit = expected_hit_rate(fanout, acc.alpha, acc.r, top1_miss=acc.top1_miss)
     e_miss = e if acc.alpha_backup is None else expected_tokens_per_round(acc.alpha_backup, K)
     all_hit = p_hit**batch
