@@ -171,6 +171,7 @@ def run_session(
                 stats.controller = {"choice": "plain", "reason": first.reason + "; ran transformers' own decoding loop",
                                     "switches": [], "probe_s": round(controller.costs.probe_s, 4)}
                 _ask_for_process(draft, wanted, pooled, stats, first.plan)
+                controller.mark_compiled(first.plan)
                 stats.controller_memory = controller.memory
                 return None, stats
             drafter = ControlledDrafter(controller, build, stats, first, disturbed=pool.starting,
@@ -218,4 +219,5 @@ def make_controller(target, draft, batch: int, greedy: bool, config: SSDConfig, 
     key = (id(target), id(draft), str(device), batch, greedy, config.compile, config.compile_target)
     prior = Acceptance(alpha=0.7 if greedy else 0.6)
     return Controller(costs, memory_for(key), batch, allowed, prior, fixed_alpha=config.alpha,
-                      process_ready=process_ready, plain_compiled=config.compile_target)
+                      process_ready=process_ready, plain_compiled=config.compile_target,
+                      draft_compiled=config.compile is not False)

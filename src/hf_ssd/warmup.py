@@ -48,7 +48,7 @@ def warmup(
         return {"compile_s": 0.0, "wall_s": time.perf_counter() - t0, "widths": [], "max_cache_len": None,
                 "compiled": False}
     try:  # static_draft_cache compiled every width the generation uses
-        compiled = kv.entry.compile_failed is None and static_kv.COMPILE_ENABLED
+        compiled = kv.hot_widths <= kv.entry.compiled_widths and static_kv.COMPILE_ENABLED
         return {"compile_s": round(kv.compile_s, 4), "wall_s": round(time.perf_counter() - t0, 4),
                 "widths": sorted(kv.hot_widths), "max_cache_len": kv.max_cache_len, "compiled": compiled}
     finally:

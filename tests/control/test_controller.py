@@ -446,3 +446,33 @@ def test_decisions_take_a_bounded_share_of_the_rounds():
     decide_s = 0.003
     assert not decision_due(DECIDE_EVERY, 0.9 * decide_s / DECIDE_SHARE, decide_s)  # 8 rounds of 9 ms: too soon
     assert decision_due(DECIDE_EVERY, 1.1 * decide_s / DECIDE_SHARE, decide_s)
+
+
+def test_a_switch_to_uncompiled_shapes_pays_for_their_compiles(monkeypatch):
+    """With compiled forwards, a plan whose shapes this process has not compiled builds its graphs when it starts
+    (seconds each). The first plan compiles whatever it is (the warm-up the user opted into); after that a switch
+    pays its compiles out of the call, spread over the call and as many tokens again as the setting has generated:
+    a short call keeps the compiled plan, and a long-running setting compiles the faster one."""
+    from hf_ssd.control.controller import Horizon
+    from hf_ssd.runtime import static_kv
+
+    monkeypatch.setattr(static_kv, "COMPILE_SPENT", {"seconds": 30.0, "graphs": 10})  # 3 s per graph
+    allowed = {"mode": ("sync",), "K": (1, 4)}
+    one, four = Plan("sync", 1), Plan("sync", 4)
+    for compiled in (False, True):
+        ctl = Controller(costs(), Memory(), 1, allowed, fixed_alpha=0.9, plain_compiled=compiled,
+                         draft_compiled=compiled)
+        horizon = Horizon(tokens=64, context=100)
+        assert ctl.decide(horizon=horizon).plan == four  # nothing compiled yet: the best plan, no compile priced
+        ctl.mark_compiled(one)  # ... but say sync K=1 ran first
+        decision = ctl.decide(one, horizon)
+        if not compiled:
+            assert decision.plan == four  # eager forwards: nothing to compile, the faster plan
+            continue
+        assert decision.plan == one  # 3 s of compiles (its verify width 5) for a 64-token call: keep K=1
+        priced = next(p for p in decision.table if p.plan == four)
+        assert priced.parts["compile"] == pytest.approx(3.0)  # one graph (verify 5 wide; draft widths 1, 2 built)
+        ctl.memory.generated = 1e6  # a long-running setting: the compile pays over its future
+        assert ctl.decide(one, horizon).plan == four
+        ctl.mark_compiled(four)
+        assert "compile" not in next(p for p in ctl.decide(one, horizon).table if p.plan == four).parts

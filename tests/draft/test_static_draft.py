@@ -14,6 +14,7 @@ draft.static_saguaro.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -337,6 +338,65 @@ def test_every_width_compiles_before_the_first_round(dynamo):
                        **STATIC)  # the JIT backup: single steps after each miss
     assert torch.equal(out.sequences, ref) and out.ssd_stats["draft_compile_s"] == 0.0
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_a_shorter_generation_reuses_a_larger_free_entry(dynamo):
+    """Static buffers are sized in buckets of max_length: a generation whose bucket is smaller than a free entry's
+    (up to static_kv.REUSE_LARGER times) runs on that entry and its compiled graphs instead of compiling its own,
+    with the same tokens."""
+    counters = dynamo
+    p = get_pair("llama")
+    static_kv.clear(p.related)
+    ids, mask = left_pad([prompt(7, seed=32)[0]])
+    long = static_kv.BUCKET + 8  # max_new_tokens putting the first generation one bucket up
+    out = ssd_generate(p.target, p.related, ids, attention_mask=mask, max_new_tokens=long,
+                       return_dict_in_generate=True, **STATIC)
+    assert out.ssd_stats["draft_compile_s"] > 0
+    graphs = counters["stats"]["unique_graphs"]
+    ref = plain_generate(p.target, ids, attention_mask=mask, max_new_tokens=16)
+    out = ssd_generate(p.target, p.related, ids, attention_mask=mask, max_new_tokens=16,
+                       return_dict_in_generate=True, **STATIC)
+    assert torch.equal(out.sequences, ref) and out.ssd_stats["draft_compiled"]
+    assert out.ssd_stats["draft_compile_s"] == 0.0 and counters["stats"]["unique_graphs"] == graphs
+    entry, = [e for e in static_kv.registry_entries(p.related) if e.batch == 1]
+    assert entry.max_cache_len > static_kv.BUCKET  # the one larger entry served both
+
+
+@pytest.mark.parametrize("failures", [1, static_kv.COMPILE_TRIES])
+def test_a_failed_compile_runs_eagerly_and_is_tried_again_next_generation(monkeypatch, failures):
+    """Compiling is an optimisation: a width whose compile fails runs eagerly for the rest of the generation (same
+    tokens, one warning) and compiles again in the next generation, until it has failed COMPILE_TRIES times; then
+    it stays eager. (A failure can be transient: dynamo once failed while another thread ran graphs.)"""
+    p = get_pair("llama")
+    static_kv.clear(p.related)
+    real = static_kv._Entry.compiled_step
+    left = {"n": failures, "width": None}
+
+    def flaky(self, width):
+        fn = real(self, width)
+        left["width"] = left["width"] or width  # the first width compiled fails, `failures` times
+
+        def call(*args):
+            if left["n"] > 0 and width == left["width"]:
+                left["n"] -= 1
+                raise RuntimeError("Unsupported: Failed to convert args/kwargs to proxy (injected)")
+            return fn(*args)
+        return call
+
+    monkeypatch.setattr(static_kv._Entry, "compiled_step", flaky)
+    ids, mask = left_pad([prompt(7, seed=33)[0]])
+    ref = plain_generate(p.target, ids, attention_mask=mask, max_new_tokens=12)
+    for generation in range(failures + 1):
+        with pytest.warns(RuntimeWarning, match="compiling the static-cache forward") if generation < failures \
+                else warnings.catch_warnings():
+            out = ssd_generate(p.target, p.related, ids, attention_mask=mask, max_new_tokens=12,
+                               return_dict_in_generate=True, **STATIC)
+        assert torch.equal(out.sequences, ref)
+    entry, = [e for e in static_kv.registry_entries(p.related) if e.batch == 1]
+    assert entry.compile_failures == {left["width"]: failures}
+    failed = left["width"]
+    assert (failed in entry.compiled_widths) == (failures < static_kv.COMPILE_TRIES)
+    static_kv.clear(p.related)
 
 
 def test_compile_auto_on_cpu_probes_once(dynamo):

@@ -11,8 +11,10 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field, replace
 
+from hf_ssd.control.compiled import COMPILE_PRIOR_S, compile_share, plan_graphs
 from hf_ssd.control.costs import Costs
 from hf_ssd.control.plan import Acceptance, Plan, Prediction, candidates, predict, verify_s
+from hf_ssd.runtime import static_kv
 
 MIN_ROUNDS = 4  # rounds a plan must have run before its measured round time replaces the model's
 # A plan's measurement ages as other plans run: after this many rounds (all plans together) it counts half, and
@@ -76,12 +78,15 @@ class Memory:
     # measured / modelled seconds of the target's verify in draft plans: how much faster the target's own forward
     # runs than its eager cost line (a compiled target), the best guide to a compiled plain step not yet measured
     verify: Ema = field(default_factory=Ema)
+    graphs: set = field(default_factory=set)  # compiled graphs the plans that ran have built (control.compiled)
+    generated: float = 0.0  # tokens per row committed by the rounds recorded so far
 
     def record_round(self, plan: Plan, seconds: float, tokens: float | None = None, count: int = 1,
                      rounds: int | None = None) -> None:
         """`plan` took `seconds` per round (weighted as `count` observations, over `rounds` rounds of the clock,
         default `count`), its rows committing `tokens` each per round when given."""
         self.clock += count if rounds is None else rounds
+        self.generated += (1.0 if tokens is None else tokens) * (count if rounds is None else rounds)
         ema = self.round_s.setdefault(plan, Ema())
         ema.add(seconds, count=count)
         ema.at = self.clock
@@ -129,13 +134,16 @@ class Decision:
 
 class Controller:
     def __init__(self, costs: Costs, memory: Memory, batch: int, allowed: dict, prior: Acceptance | None = None,
-                 fixed_alpha: float | None = None, process_ready: bool = False, plain_compiled: bool = False):
+                 fixed_alpha: float | None = None, process_ready: bool = False, plain_compiled: bool = False,
+                 draft_compiled: bool = False):
         """allowed: constraints from explicit options, e.g. {"mode": ("ssd",), "K": (4,), "budget": 8,
         "int8": False, "worker": "thread", "threads": (1, 1)}; absent keys are free. process_ready: a kept draft
         process is up (workers.pool), so process-worker plans are candidates beside the thread's. plain_compiled:
-        a plain choice runs compiled too (ssd_compile_target), so plain shares the other plans' calibration."""
+        the target runs compiled (ssd_compile_target), so plain shares the other plans' calibration;
+        draft_compiled: the draft does (ssd_compile). Either way a plan with new shapes pays their compiles
+        (control.compiled)."""
         self.costs, self.memory, self.batch = costs, memory, batch
-        self.plain_compiled = plain_compiled
+        self.plain_compiled, self.draft_compiled = plain_compiled, draft_compiled
         self.allowed = allowed
         self.prior = prior or Acceptance()
         self.fixed_alpha = fixed_alpha
@@ -233,6 +241,23 @@ class Controller:
         if plan.mode != "plain":
             self.memory.verify.add(seconds / max(verify_s(plan, self.costs), 1e-9))
 
+    def graphs(self, plan: Plan, in_loop: bool = False) -> frozenset[tuple]:
+        return plan_graphs(plan, self.draft_compiled, self.plain_compiled, in_loop)
+
+    def mark_compiled(self, plan: Plan, in_loop: bool = False) -> None:
+        """`plan` is running: its graphs are built (or being built) in this process, or its kept draft process."""
+        self.memory.graphs |= self.graphs(plan, in_loop)
+
+    def compile_s(self, plan: Plan, horizon: Horizon, in_loop: bool) -> float:
+        """The share of compiling `plan`'s missing graphs this call pays (control.compiled); none before the
+        process's first plan compiled (the user's opted-in warm-up)."""
+        if not self.memory.graphs:
+            return 0.0
+        missing = len(self.graphs(plan, in_loop) - self.memory.graphs)
+        spent = static_kv.COMPILE_SPENT
+        graph_s = spent["seconds"] / spent["graphs"] if spent["graphs"] else COMPILE_PRIOR_S
+        return compile_share(missing, graph_s, horizon.tokens, self.memory.generated)
+
     def startup_model(self, plan: Plan, context: int) -> float:
         """Modelled seconds of starting `plan`'s drafter on `context` tokens per row: the draft's prefill (all
         threads: the target waits for it) and its first K drafts. Plain decoding has no draft to start."""
@@ -312,7 +337,10 @@ class Controller:
             for pred in preds:
                 pred.horizon = horizon.tokens * self.batch
                 if pred.plan != current:
-                    pred.startup_s = self.startup_s(pred.plan, horizon.context)
+                    compiling = self.compile_s(pred.plan, horizon, in_loop=current is not None)
+                    pred.startup_s = self.startup_s(pred.plan, horizon.context) + compiling
+                    if compiling > 0:
+                        pred.parts = {**pred.parts, "compile": compiling}
         preds.sort(key=lambda x: -x.call_tokens_per_s)
         best = preds[0]
         # Among plans within 3% of the fastest, take the simplest (plain, sync, ssd; then the smallest tree): less
@@ -362,10 +390,12 @@ class Controller:
 
 
 def _with_startup(pred: Prediction) -> str:
-    """', X tok/s over this call with its draft prefill (Y s)' where a start-up was priced in."""
+    """', X tok/s over this call with its draft prefill (Y s)' where a start-up (and compiling) was priced in."""
     if pred.startup_s <= 0 or pred.horizon <= 0:
         return ""
-    return f", {pred.call_tokens_per_s:.2f} over this call with its draft prefill ({pred.startup_s:.1f} s)"
+    compiling = pred.parts.get("compile", 0.0)
+    what = f"its draft prefill and {compiling:.1f} s of compiling" if compiling > 0 else "its draft prefill"
+    return f", {pred.call_tokens_per_s:.2f} over this call with {what} ({pred.startup_s:.1f} s)"
 
 
 def family(plan: Plan) -> str:

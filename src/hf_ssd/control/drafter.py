@@ -44,6 +44,7 @@ class ControlledDrafter(Drafter):
         # plan's split of the cores starts with its rounds (start()).
         self.caller_threads = torch.get_num_threads()
         self.current = build(self.plan)
+        controller.mark_compiled(self.plan)
         self.retired_forwards = 0
         self.rounds = 0
         self.last_start: float | None = None  # when the previous round's resolve began (None: not a plan round)
@@ -140,6 +141,7 @@ class ControlledDrafter(Drafter):
         self.record["choice"] = self.plan.label
         torch.set_num_threads(self.caller_threads)  # the restart's prefill runs alone, on every thread
         self.current = self.build(self.plan)
+        self.controller.mark_compiled(self.plan, in_loop=True)
         context = max(c.shape[0] for c in verdict.contexts)
         spec = self._timed_start(lambda: self.current.restart(verdict.contexts, verdict.masks()), context)
         self._apply_threads()

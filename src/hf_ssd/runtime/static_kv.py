@@ -42,6 +42,9 @@ from transformers.cache_utils import Cache, StaticLayer
 
 from hf_ssd.runtime.kv import attention_layout, cache_argument, input_device, position_limit, prefill_logits_argument
 
+# seconds spent compiling and graphs built, all entries of this process together: what a new graph costs here
+COMPILE_SPENT = {"seconds": 0.0, "graphs": 0}
+COMPILE_TRIES = 2  # a width whose compile failed this many times runs eagerly for the life of the process
 COMPILE_ENABLED = True  # False: the static path runs eagerly even when compile is asked for (debugging, tests)
 BUCKET = 256  # M is rounded up to a multiple of this, so prompts of similar length share buffers and graphs
 
@@ -178,7 +181,9 @@ class _Entry:
         self.cache = Cache(layers=[SlotLayer(max_cache_len, _Pointer(self.w)) for _ in range(layers)])
         self.compiled: dict = {}  # width -> torch.compile'd copy of _slot_step, built on first use
         self.compiled_widths: set[int] = set()  # widths whose graph exists
-        self.compile_failed: str | None = None
+        self.compile_failed: str | None = None  # the last compile error, if any
+        self.compile_failures: dict[int, int] = {}  # width -> compiles of it that failed
+        self.failed_now: set[int] = set()  # widths that failed during this generation: eager until its end
         self.compile_s = 0.0  # total seconds spent compiling for this entry
         self.probe: dict[int, bool] = {}  # width -> compiled was faster (ssd_compile="auto")
         self.in_use = False
@@ -194,6 +199,12 @@ class _Entry:
         self.valid.zero_()
         self.pos.zero_()
         self.alive.fill_(True)
+
+    def may_compile(self, width: int) -> bool:
+        """A width whose compile failed runs eagerly for the rest of that generation; the next one tries again,
+        up to COMPILE_TRIES failures (a failure can be transient: dynamo tracing while another thread compiles or
+        replays graphs once failed with "Failed to convert args/kwargs to proxy")."""
+        return width not in self.failed_now and self.compile_failures.get(width, 0) < COMPILE_TRIES
 
     def compiled_step(self, width: int):
         """The compiled `_slot_step` for forwards of `width` tokens per row: one code object per width, so each
@@ -217,27 +228,41 @@ def _forget(key: tuple) -> None:
         _REGISTRY.pop(key, None)
 
 
+REUSE_LARGER = 4  # a free entry up to this many times the slots asked for serves them (its graphs are compiled)
+
+
 def acquire(model: PreTrainedModel, batch: int, max_cache_len: int) -> _Entry:
-    """A free entry for these shapes (reset), or a new one. Entries die with the model (weak reference)."""
+    """A free entry (reset) of at least these slots, or a new one. A larger free entry, up to REUSE_LARGER times,
+    is taken before a new one is built: prompts of many lengths (each its own bucket) would otherwise compile every
+    width again per bucket, seconds each, while attending over a few more empty slots costs little. Entries die
+    with the model (weak reference)."""
     device = input_device(model)
     dtype = model.get_input_embeddings().weight.dtype
     key = (id(model), batch, max_cache_len, dtype, str(device))
     with _LOCK:
-        entries = _REGISTRY.get(key)
-        if entries is not None and (not entries or entries[0].model_ref() is not model):
-            entries = None  # a dead model's id reused
-        if entries is None:
-            entries = _REGISTRY[key] = []
-            weakref.finalize(model, _forget, key)
-        for entry in entries:
-            if not entry.in_use:
-                break
-        else:
+        entry = _free_entry(model, key)
+        if entry is None:
+            entries = _REGISTRY.get(key)
+            if entries is not None and (not entries or entries[0].model_ref() is not model):
+                entries = None  # a dead model's id reused
+            if entries is None:
+                entries = _REGISTRY[key] = []
+                weakref.finalize(model, _forget, key)
             entry = _Entry(model, key, batch, max_cache_len, dtype, device)
             entries.append(entry)
         entry.in_use = True
     entry.reset()
+    entry.failed_now.clear()  # a new generation: widths whose compile failed once may try again
     return entry
+
+
+def _free_entry(model: PreTrainedModel, key: tuple) -> _Entry | None:
+    """The smallest free entry of `model` with key's batch, dtype and device and M to REUSE_LARGER·M slots."""
+    model_id, batch, M, dtype, device = key
+    fits = [e for k, es in _REGISTRY.items() for e in es
+            if k[0] == model_id and k[1] == batch and k[3:] == (dtype, device) and M <= k[2] <= REUSE_LARGER * M
+            and not e.in_use and e.model_ref() is model]
+    return min(fits, key=lambda e: e.max_cache_len, default=None)
 
 
 def release(entry: _Entry) -> None:
@@ -284,6 +309,7 @@ class StaticCachedModel:
     def entry(self) -> _Entry:
         if self._entry is None:
             self._entry = acquire(self.model, self.batch, self.max_cache_len)
+            self.max_cache_len = self._entry.max_cache_len  # a larger entry may serve (acquire)
             self._finalizer = weakref.finalize(self, release, self._entry)
         return self._entry
 
@@ -364,8 +390,7 @@ class StaticCachedModel:
 
     def _run(self, e: _Entry, n: int, args) -> torch.Tensor:
         # The first forward of an entry is eager: the layers allocate (and mark static) their buffers outside a graph.
-        if not (COMPILE_ENABLED and self.compile and n in self.hot_widths and e.initialized
-                and e.compile_failed is None):
+        if not (COMPILE_ENABLED and self.compile and n in self.hot_widths and e.initialized and e.may_compile(n)):
             return _slot_step(*args)
         from torch._dynamo.utils import counters
 
@@ -377,13 +402,21 @@ class StaticCachedModel:
             if n in e.compiled_widths:
                 raise  # it ran before: this is not a compile failure
             e.compile_failed = f"{type(exc).__name__}: {exc}"
-            warnings.warn(f"hf_ssd: compiling the static-cache forward failed ({e.compile_failed.splitlines()[0][:300]}"
-                          "); the static cache runs eagerly.", RuntimeWarning, stacklevel=3)
+            e.compile_failures[n] = e.compile_failures.get(n, 0) + 1
+            e.failed_now.add(n)
+            e.compiled.pop(n, None)  # the next try starts from a fresh function
+            again = ("; the next generation tries again" if e.compile_failures[n] < COMPILE_TRIES
+                     else " again; it stays eager in this process")
+            warnings.warn(f"hf_ssd: compiling the static-cache forward ({n} tokens per row) failed "
+                          f"({e.compile_failed.splitlines()[0][:300]}); this generation runs it eagerly{again}.",
+                          RuntimeWarning, stacklevel=3)
             return _slot_step(*args)
         if counters["stats"]["unique_graphs"] != graphs:  # this call compiled (first call of the width, or again)
             dt = time.perf_counter() - t0
             e.compile_s += dt
             self.compile_s += dt
+            COMPILE_SPENT["seconds"] += dt
+            COMPILE_SPENT["graphs"] += 1
         e.compiled_widths.add(n)
         self.compiled_calls += 1
         if e.device.type == "cuda":  # a CUDA graph's output is overwritten by its next replay: keep a copy
@@ -395,8 +428,8 @@ class StaticCachedModel:
         generation meets can depend on timing (the backup policy picks the JIT backup, width 1, from measured costs),
         and a graph built inside a round would stall it for seconds. Does nothing once all are compiled."""
         e = self.entry
-        todo = sorted(self.hot_widths - e.compiled_widths)
-        if not (COMPILE_ENABLED and self.compile and todo and e.compile_failed is None):
+        todo = sorted(w for w in self.hot_widths - e.compiled_widths if e.may_compile(w))
+        if not (COMPILE_ENABLED and self.compile and todo):
             return
         from tqdm.auto import tqdm
 

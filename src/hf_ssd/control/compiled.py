@@ -1,0 +1,41 @@
+"""What a plan's compiled graphs cost before its first round, when the user asked for compiled forwards.
+
+A plan whose shapes have not been compiled in this process builds its graphs when it starts: seconds each on a
+CPU (a 28-layer target's verify width: about 3 s), and minutes of them for a tree plan's five or so widths. The
+first plan of a process compiles whatever it is: that is the warm-up the user opted into. After that, switching to
+a plan with new shapes pays its compiles out of the call that switches; the controller charges that call a share of
+them, spread over the call and as many tokens again as this setting has generated so far (a process that has run
+long will likely run as long again), so a plan clearly better in the long run still gets compiled, and a call never
+stalls for a small gain.
+"""
+from __future__ import annotations
+
+from hf_ssd.control.plan import Plan
+
+COMPILE_PRIOR_S = 5.0  # seconds per graph until this process has measured one
+
+
+def plan_graphs(plan: Plan, draft: bool, target: bool, in_loop: bool = False) -> frozenset[tuple]:
+    """The compiled graphs `plan` runs on: its verify width (a compiled target), its draft widths (a compiled draft:
+    glue K+1, tree N and N+1, single steps; synchronous SD 1 and 2), and for plain at the start of a call,
+    transformers' compiled decode step. A process worker compiles in its own process, an int8 draft on its own
+    model, so their graphs are told apart. Mid-generation plain steps run eagerly (`in_loop`): no graph."""
+    if plan.mode == "plain":
+        return frozenset({("plain",)}) if target and not in_loop else frozenset()
+    graphs: set[tuple] = {("target", plan.K + 1)} if target else set()
+    if draft:
+        where = ("draft", plan.int8, plan.worker == "process")
+        if plan.mode == "sync":
+            widths: tuple[int, ...] = (1, 2)
+        else:
+            widths = (1, plan.K + 1, plan.budget) + ((plan.budget + 1,) if plan.K >= 2 else ())
+        graphs |= {(*where, w) for w in widths}
+    return frozenset(graphs)
+
+
+def compile_share(missing: int, graph_s: float, horizon_tokens: float, generated_tokens: float) -> float:
+    """Seconds of compiling `missing` graphs (`graph_s` each) charged to a call with `horizon_tokens` left, in a
+    setting that has generated `generated_tokens` so far."""
+    if missing <= 0 or horizon_tokens <= 0:
+        return 0.0
+    return missing * graph_s * horizon_tokens / (horizon_tokens + max(generated_tokens, 0.0))
