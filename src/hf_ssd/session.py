@@ -220,4 +220,4 @@ def make_controller(target, draft, batch: int, greedy: bool, config: SSDConfig, 
     prior = Acceptance(alpha=0.7 if greedy else 0.6)
     return Controller(costs, memory_for(key), batch, allowed, prior, fixed_alpha=config.alpha,
                       process_ready=process_ready, plain_compiled=config.compile_target,
-                      draft_compiled=config.compile is not False)
+                      draft_compiled=config.compile is not False, target=target)

@@ -453,15 +453,18 @@ def test_a_switch_to_uncompiled_shapes_pays_for_their_compiles(monkeypatch):
     (seconds each). The first plan compiles whatever it is (the warm-up the user opted into); after that a switch
     pays its compiles out of the call, spread over the call and as many tokens again as the setting has generated:
     a short call keeps the compiled plan, and a long-running setting compiles the faster one."""
+    from hf_ssd.control import compiled as compiled_mod
+    from hf_ssd.control.compiled import PLAIN_LOOP_PRIOR_GRAPHS, record_plain_loop_compile
     from hf_ssd.control.controller import Horizon
     from hf_ssd.runtime import static_kv
 
+    monkeypatch.setattr(compiled_mod, "_PLAIN_LOOP_S", {})
     monkeypatch.setattr(static_kv, "COMPILE_SPENT", {"seconds": 30.0, "graphs": 10})  # 3 s per graph
     allowed = {"mode": ("sync",), "K": (1, 4)}
     one, four = Plan("sync", 1), Plan("sync", 4)
     for compiled in (False, True):
         ctl = Controller(costs(), Memory(), 1, allowed, fixed_alpha=0.9, plain_compiled=compiled,
-                         draft_compiled=compiled)
+                         draft_compiled=compiled, target=torch.nn.Linear(1, 1))
         horizon = Horizon(tokens=64, context=100)
         assert ctl.decide(horizon=horizon).plan == four  # nothing compiled yet: the best plan, no compile priced
         ctl.mark_compiled(one)  # ... but say sync K=1 ran first
@@ -472,6 +475,11 @@ def test_a_switch_to_uncompiled_shapes_pays_for_their_compiles(monkeypatch):
         assert decision.plan == one  # 3 s of compiles (its verify width 5) for a 64-token call: keep K=1
         priced = next(p for p in decision.table if p.plan == four)
         assert priced.parts["compile"] == pytest.approx(3.0)  # one graph (verify 5 wide; draft widths 1, 2 built)
+        # transformers' compiled plain loop: a few of ours until a hand-off measured it
+        assert ctl.compile_s(Plan("plain"), horizon, in_loop=False) == pytest.approx(3.0 * PLAIN_LOOP_PRIOR_GRAPHS)
+        record_plain_loop_compile(ctl.target, 21.0)
+        assert ctl.compile_s(Plan("plain"), horizon, in_loop=False) == pytest.approx(21.0)
+        assert ctl.compile_s(Plan("plain"), horizon, in_loop=True) == 0.0  # mid-call plain steps run eagerly
         ctl.memory.generated = 1e6  # a long-running setting: the compile pays over its future
         assert ctl.decide(one, horizon).plan == four
         ctl.mark_compiled(four)

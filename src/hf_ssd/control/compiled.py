@@ -13,6 +13,24 @@ from __future__ import annotations
 from hf_ssd.control.plan import Plan
 
 COMPILE_PRIOR_S = 5.0  # seconds per graph until this process has measured one
+# transformers' compiled decode loop (a plain call on a compiled target) compiles far more than one of our
+# fixed-width forwards: about 21 s against 3 s on the overhead workload. Until a hand-off has measured it, it is
+# priced at this many of ours.
+PLAIN_LOOP_PRIOR_GRAPHS = 5.0
+_PLAIN_LOOP_S: dict[int, float] = {}  # id(target) -> measured seconds transformers' compiled loop took to compile
+
+
+def record_plain_loop_compile(target, seconds: float) -> None:
+    """A plain hand-off on the compiled target compiled transformers' loop in about `seconds`."""
+    _PLAIN_LOOP_S[id(target)] = max(float(seconds), 0.0)
+
+
+def graph_seconds(graph: tuple, target, per_graph_s: float) -> float:
+    """What building `graph` costs: our fixed-width forwards at this process's measured average, transformers'
+    compiled loop at its measured time (or PLAIN_LOOP_PRIOR_GRAPHS of ours)."""
+    if graph == ("plain",):
+        return _PLAIN_LOOP_S.get(id(target), PLAIN_LOOP_PRIOR_GRAPHS * per_graph_s)
+    return per_graph_s
 
 
 def plan_graphs(plan: Plan, draft: bool, target: bool, in_loop: bool = False) -> frozenset[tuple]:
@@ -33,9 +51,9 @@ def plan_graphs(plan: Plan, draft: bool, target: bool, in_loop: bool = False) ->
     return frozenset(graphs)
 
 
-def compile_share(missing: int, graph_s: float, horizon_tokens: float, generated_tokens: float) -> float:
-    """Seconds of compiling `missing` graphs (`graph_s` each) charged to a call with `horizon_tokens` left, in a
-    setting that has generated `generated_tokens` so far."""
-    if missing <= 0 or horizon_tokens <= 0:
+def compile_share(compile_s: float, horizon_tokens: float, generated_tokens: float) -> float:
+    """Seconds of compiling (`compile_s` in all) charged to a call with `horizon_tokens` left, in a setting that
+    has generated `generated_tokens` so far."""
+    if compile_s <= 0 or horizon_tokens <= 0:
         return 0.0
-    return missing * graph_s * horizon_tokens / (horizon_tokens + max(generated_tokens, 0.0))
+    return compile_s * horizon_tokens / (horizon_tokens + max(generated_tokens, 0.0))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field, replace
 
-from hf_ssd.control.compiled import COMPILE_PRIOR_S, compile_share, plan_graphs
+from hf_ssd.control.compiled import COMPILE_PRIOR_S, compile_share, graph_seconds, plan_graphs
 from hf_ssd.control.costs import Costs
 from hf_ssd.control.plan import Acceptance, Plan, Prediction, candidates, predict, verify_s
 from hf_ssd.runtime import static_kv
@@ -135,13 +135,14 @@ class Decision:
 class Controller:
     def __init__(self, costs: Costs, memory: Memory, batch: int, allowed: dict, prior: Acceptance | None = None,
                  fixed_alpha: float | None = None, process_ready: bool = False, plain_compiled: bool = False,
-                 draft_compiled: bool = False):
+                 draft_compiled: bool = False, target=None):
         """allowed: constraints from explicit options, e.g. {"mode": ("ssd",), "K": (4,), "budget": 8,
         "int8": False, "worker": "thread", "threads": (1, 1)}; absent keys are free. process_ready: a kept draft
         process is up (workers.pool), so process-worker plans are candidates beside the thread's. plain_compiled:
         the target runs compiled (ssd_compile_target), so plain shares the other plans' calibration;
         draft_compiled: the draft does (ssd_compile). Either way a plan with new shapes pays their compiles
-        (control.compiled)."""
+        (control.compiled; `target`: the model, whose compiled plain loop's measured compile time prices it)."""
+        self.target = target
         self.costs, self.memory, self.batch = costs, memory, batch
         self.plain_compiled, self.draft_compiled = plain_compiled, draft_compiled
         self.allowed = allowed
@@ -253,10 +254,13 @@ class Controller:
         process's first plan compiled (the user's opted-in warm-up)."""
         if not self.memory.graphs:
             return 0.0
-        missing = len(self.graphs(plan, in_loop) - self.memory.graphs)
+        missing = self.graphs(plan, in_loop) - self.memory.graphs
+        if not missing:
+            return 0.0
         spent = static_kv.COMPILE_SPENT
-        graph_s = spent["seconds"] / spent["graphs"] if spent["graphs"] else COMPILE_PRIOR_S
-        return compile_share(missing, graph_s, horizon.tokens, self.memory.generated)
+        per_graph = spent["seconds"] / spent["graphs"] if spent["graphs"] else COMPILE_PRIOR_S
+        seconds = sum(graph_seconds(g, self.target, per_graph) for g in missing)
+        return compile_share(seconds, horizon.tokens, self.memory.generated)
 
     def startup_model(self, plan: Plan, context: int) -> float:
         """Modelled seconds of starting `plan`'s drafter on `context` tokens per row: the draft's prefill (all

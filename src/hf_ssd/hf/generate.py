@@ -18,6 +18,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_ssd.config import SSDConfig, config_from_kwargs
+from hf_ssd.control.compiled import record_plain_loop_compile
 from hf_ssd.control.controller import record_plain
 from hf_ssd.hf.plain_hand_off import DecodeClock, compiled_graphs, use_static_cache
 from hf_ssd.workers import pool
@@ -193,6 +194,8 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
             # a run that compiled, or shared the CPU with a draft process's start-up, would price plain by that
             if step_s is not None and compiled_graphs() == graphs and not (busy or pool.starting()):
                 record_plain(stats.controller_memory, step_s, sequences.shape[1] - input_ids.shape[1] - 1)
+            elif compiled_graphs() != graphs and clock.first is not None:  # transformers compiled its loop: what
+                record_plain_loop_compile(model, end - clock.first)  # that took (its decode steps are a rounding)
     finally:
         if streamer is not None and not handed_off:
             streamer.end()

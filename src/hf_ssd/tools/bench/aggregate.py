@@ -65,6 +65,8 @@ def aggregate_runs(runs: list[dict[str, Any]], batch: int) -> dict[str, Any]:
             "budget": stats[-1].get("budget"), "fallback_reason": next(
                 (s["fallback_reason"] for s in stats if s.get("fallback_reason")), None),
             "backup_rounds": _sum_counts([s.get("backup_rounds") or {} for s in stats]),
+            # rounds whose tree carried the previous round's over (the static SSD drafter; docs/algorithm.md §3)
+            "tree_reused": sum(s.get("tree_reused") or 0 for s in stats),
         })
         limit = safe_div(batch * out["mean_tokens_per_round"], phases["verify"]) \
             if out["mean_tokens_per_round"] is not None else None

@@ -176,4 +176,19 @@ def _row(setting, temp, b, ps, m, cfg, per_rep, eqs, warmup_s, graphs) -> dict[s
         row["controller_choice"] = control.get("choice")
         row["controller_reason"] = control.get("reason")
         row["controller_switches"] = len(control.get("switches") or [])
+        row.update(_controller_record([r for runs in per_rep for r in runs]))
     return row
+
+
+def _controller_record(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over every timed run of an auto row: how many calls ended on each plan, and each distinct switch
+    (from -> to) with the first reason given for it."""
+    ended: dict[str, int] = {}
+    switches: dict[str, str] = {}
+    for r in runs:
+        control = (r.get("ssd_stats") or {}).get("controller") or {}
+        if control.get("choice"):
+            ended[control["choice"]] = ended.get(control["choice"], 0) + 1
+        for sw in control.get("switches") or []:
+            switches.setdefault(f"{sw.get('from')} -> {sw.get('to')}", sw.get("reason"))
+    return {"controller_ended_on": ended, "controller_switch_reasons": switches}
