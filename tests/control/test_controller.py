@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 
+from hf_ssd.control import drafter as drafter_mod
 from hf_ssd.control.controller import Controller, Ema, Memory
 from hf_ssd.control.costs import Costs, Line
 from hf_ssd.control.plan import Acceptance, Plan, candidates, predict
@@ -187,6 +188,39 @@ def switching(monkeypatch):
         return ctl_mod.Decision(PLANS[i], "test: rotate", [])
 
     monkeypatch.setattr(ctl_mod.Controller, "decide", decide)
+    monkeypatch.setattr(drafter_mod, "CONFIRMATIONS", 1)
+
+
+@pytest.mark.parametrize("alternate", [True, False])
+def test_a_switch_mid_generation_needs_the_same_plan_decided_twice(monkeypatch, alternate):
+    """A mid-generation switch restarts the draft: one decision that wants another plan (a slow spell in the
+    running plan's rounds) is not enough; CONFIRMATIONS decisions in a row must want the same one."""
+    from hf_ssd.control import controller as ctl_mod
+
+    first, others = Plan("sync", 2), [Plan("sync", 3), Plan("plain")]
+    calls = []
+
+    def decide(self, current=None, horizon=None):
+        calls.append(current)
+        if current is None:
+            return ctl_mod.Decision(first, "test: start", [])
+        return ctl_mod.Decision(others[len(calls) % 2] if alternate else others[0], "test: other", [])
+
+    monkeypatch.setattr(ctl_mod.Controller, "decide", decide)
+    monkeypatch.setattr(drafter_mod, "DECIDE_EVERY", 1)  # a decision every round
+    monkeypatch.setattr(drafter_mod, "DECIDE_SHARE", 1e9)
+    pair = get_pair("llama")
+    ids = prompt(6, seed=12)
+    ref = plain_generate(pair.target, ids, max_new_tokens=40)
+    out = pair.target.generate(ids, assistant_model=pair.related, ssd=True, max_new_tokens=40, do_sample=False,
+                               pad_token_id=0, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    switches = out.ssd_stats["controller"]["switches"]
+    assert len(calls) > 4
+    if alternate:
+        assert switches == []
+    else:
+        assert [(s["round"], s["to"]) for s in switches] == [(drafter_mod.CONFIRMATIONS, "sync K=3")]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])

@@ -314,6 +314,7 @@ def test_distribution_exact_while_the_controller_switches_plans_every_round(mode
 
     monkeypatch.setattr(ctl_mod.Controller, "decide", decide)
     monkeypatch.setattr(drafter_mod, "DECIDE_EVERY", 1)
+    monkeypatch.setattr(drafter_mod, "CONFIRMATIONS", 1)
     target, draft = models
     counts, s = run_ssd(target, draft, [PROMPT_A], seed=29, warp=dict(temperature=0.9), ssd_budget=None)
     pv = p_value([(counts[0], exact_distribution(target, PROMPT_A, warpers(temperature=0.9)))])

@@ -22,6 +22,11 @@ DECIDE_EVERY = 8  # rounds between re-decisions, at least ...
 # ... and the controller's own time at most this share of the rounds' (a decision predicts every plan, about 3 ms
 # on the project's CPU: every 8 compiled rounds of 9 ms it took a tenth of the decode time)
 DECIDE_SHARE = 0.02
+# A switch mid-generation restarts the draft (and may compile new shapes): only when this many decisions in a row
+# chose the same other plan. One slow spell in the running plan's round times (a stall, the machine's drift) made
+# single decisions hop to slower plans: on the overhead workload at α ≈ 0.7 a compiled SSD call switched to eager
+# plain steps on one decision.
+CONFIRMATIONS = 2
 
 
 class ControlledDrafter(Drafter):
@@ -51,6 +56,7 @@ class ControlledDrafter(Drafter):
         self.last_decision = time.perf_counter()  # when the last decision ended, and what it cost
         self.decide_s = 0.0
         self.decided_at = 0  # self.rounds at the last decision
+        self.pending: list[Plan] = []  # the other plans the latest decisions chose (CONFIRMATIONS)
 
     @property
     def kind(self) -> str:
@@ -90,7 +96,9 @@ class ControlledDrafter(Drafter):
             began = time.perf_counter()
             decision = agreed(self.controller.decide(self.plan, self._horizon(verdict)))
             self.last_decision, self.decide_s = time.perf_counter(), time.perf_counter() - began
-            if decision.plan != self.plan:
+            self.pending = [*self.pending, decision.plan][-CONFIRMATIONS:] if decision.plan != self.plan else []
+            if len(self.pending) == CONFIRMATIONS and all(p == decision.plan for p in self.pending):
+                self.pending = []
                 return self._switch(decision, verdict)
         result = self.current.resolve(verdict)
         if result.hits is not None:
