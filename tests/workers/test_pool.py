@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hf_ssd.control import controller as ctl_mod
+from hf_ssd.control import drafter as drafter_mod
 from hf_ssd.control.controller import Controller, Memory
 from hf_ssd.control.costs import Costs, Line
 from hf_ssd.control.plan import Plan, Prediction
@@ -89,6 +90,7 @@ def test_kept_process_serves_the_controllers_plans_exactly(monkeypatch):
         return ctl_mod.Decision(ROTATION[i], "test: rotate", [])
 
     monkeypatch.setattr(ctl_mod.Controller, "decide", decide)
+    monkeypatch.setattr(drafter_mod, "CONFIRMATIONS", 1)  # each rotation switches at once
     monkeypatch.setenv(pool.ENV, "1")
     p = get_pair("llama")
     try:
