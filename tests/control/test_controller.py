@@ -518,3 +518,22 @@ def test_a_switch_to_uncompiled_shapes_pays_for_their_compiles(monkeypatch):
         assert ctl.decide(one, horizon).plan == four
         ctl.mark_compiled(four)
         assert "compile" not in next(p for p in ctl.decide(one, horizon).table if p.plan == four).parts
+
+
+def test_the_graphs_each_plan_compiles():
+    """control.compiled.plan_graphs: a verify width per K (compiled target); draft widths per K and budget, kept
+    apart for a process worker and an int8 draft (their graphs live elsewhere); plain's compiled loop only at the
+    start of a call."""
+    from hf_ssd.control.compiled import plan_graphs
+
+    ssd = Plan("ssd", 3, 8, "thread")
+    assert plan_graphs(ssd, draft=False, target=False) == frozenset()
+    assert plan_graphs(ssd, draft=False, target=True) == {("target", 4)}
+    assert plan_graphs(ssd, draft=True, target=False) == {("draft", False, False, w) for w in (1, 4, 8, 9)}
+    process = plan_graphs(Plan("ssd", 3, 8, "process"), draft=True, target=False)
+    int8 = plan_graphs(Plan("ssd", 3, 8, "thread", int8=True), draft=True, target=False)
+    assert not process & plan_graphs(ssd, True, False) and not int8 & plan_graphs(ssd, True, False)
+    assert plan_graphs(Plan("sync", 5), draft=True, target=True) == {("target", 6), ("draft", False, False, 1),
+                                                                    ("draft", False, False, 2)}
+    assert plan_graphs(Plan("plain"), draft=True, target=True) == {("plain",)}
+    assert plan_graphs(Plan("plain"), draft=True, target=True, in_loop=True) == frozenset()
