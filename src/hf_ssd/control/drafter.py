@@ -13,7 +13,7 @@ import torch
 
 from hf_ssd.control.controller import Controller, Decision, Horizon, Memory
 from hf_ssd.control.plan import Plan
-from hf_ssd.core.ranks import from_rank0
+from hf_ssd.core.ranks import distributed, from_rank0
 from hf_ssd.core.types import DraftResult, Speculation, Verdict
 from hf_ssd.draft.protocol import Drafter
 from hf_ssd.runtime.stats import SSDStats
@@ -91,7 +91,10 @@ class ControlledDrafter(Drafter):
         now = time.perf_counter()
         self._observe(verdict, now)
         self.rounds += 1
-        if decision_due(self.rounds - self.decided_at, now - self.last_decision, self.decide_s):
+        # under torch.distributed every rank must decide in the same rounds (a decision is a collective): by round
+        # count only, since the ranks' clocks differ
+        decide_s = 0.0 if distributed() else self.decide_s
+        if decision_due(self.rounds - self.decided_at, now - self.last_decision, decide_s):
             self.decided_at = self.rounds
             began = time.perf_counter()
             decision = agreed(self.controller.decide(self.plan, self._horizon(verdict)))
