@@ -175,7 +175,9 @@ def test_candidates_cover_modes_and_skip_inline_ssd():
 
 
 # ---- exactness while the controller switches plans mid-generation ------------------------------------------------
-PLANS = [Plan("ssd", 3, 6, "thread"), Plan("sync", 2), Plan("plain"), Plan("ssd", 4, 8, "inline"), Plan("sync", 4)]
+# sync K=2 -> 5 and K=4 -> 1 change K alone: the draft keeps its cache (retune), every other switch restarts it
+PLANS = [Plan("ssd", 3, 6, "thread"), Plan("sync", 2), Plan("sync", 5), Plan("plain"), Plan("ssd", 4, 8, "inline"),
+         Plan("sync", 4), Plan("sync", 1)]
 
 
 @pytest.fixture
@@ -189,6 +191,7 @@ def switching(monkeypatch):
 
     monkeypatch.setattr(ctl_mod.Controller, "decide", decide)
     monkeypatch.setattr(drafter_mod, "CONFIRMATIONS", 1)
+    monkeypatch.setattr(drafter_mod, "DECIDE_EVERY", 4)
 
 
 @pytest.mark.parametrize("alternate", [True, False])
@@ -233,6 +236,68 @@ def test_greedy_identical_while_switching(switching, arch):
     assert torch.equal(out.sequences, ref)
     switches = out.ssd_stats["controller"]["switches"]
     assert len(switches) >= 3 and {s["to"] for s in switches} >= {"sync K=2", "plain"}
+
+
+def test_changing_only_k_keeps_the_drafts_cache(monkeypatch):
+    """A switch between synchronous plans that differ only in K changes the number of draft steps and keeps the
+    draft's cache: no restart and no second prefill (a 1.5B pair's prefill costs half a second on a CPU), and the
+    output stays plain generate()'s."""
+    from hf_ssd.control import controller as ctl_mod
+    from hf_ssd.draft.model import DraftModel
+
+    Ks = [2, 5, 1, 3, 4]
+
+    def decide(self, current=None, horizon=None):
+        K = Ks[0] if current is None else Ks[(Ks.index(current.K) + 1) % len(Ks)]
+        return ctl_mod.Decision(Plan("sync", K), "test: rotate K", [])
+
+    prefills = []
+    real_prefill = DraftModel.prefill
+    monkeypatch.setattr(DraftModel, "prefill", lambda self, *a, **kw: prefills.append(1) or real_prefill(self, *a, **kw))
+    monkeypatch.setattr(ctl_mod.Controller, "decide", decide)
+    monkeypatch.setattr(drafter_mod, "DECIDE_EVERY", 1)
+    monkeypatch.setattr(drafter_mod, "CONFIRMATIONS", 1)
+    pair = get_pair("llama")
+    ids, mask = left_pad([prompt(7, seed=5)[0], prompt(3, seed=6)[0]])
+    ref = plain_generate(pair.target, ids, attention_mask=mask, max_new_tokens=50)
+    # the target drafts for itself: with the draft's context intact after every retune, every draft is accepted
+    out = pair.target.generate(ids, attention_mask=mask, assistant_model=pair.target, ssd=True, max_new_tokens=50,
+                               do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    s = out.ssd_stats
+    assert len(s["controller"]["switches"]) >= 5 and {w["to"] for w in s["controller"]["switches"]} == {
+        f"sync K={K}" for K in Ks}
+    assert len(prefills) == 1  # the prompt's only
+    assert s["accepted"] == s["drafted"], s["accept_hist"]
+
+
+def test_a_static_sync_cache_is_not_retuned_past_its_size():
+    """A static draft cache has room for the K it was built for: retune refuses more (the caller then builds a new
+    drafter), and accepts fewer."""
+    from types import SimpleNamespace
+
+    from hf_ssd.draft.sync import SyncDrafter
+
+    static = SyncDrafter(SimpleNamespace(kv=SimpleNamespace(static=True)), 4, None)
+    assert not static.retune(5) and static.K == 4
+    assert static.retune(2) and static.K == 2 and static.retune(4)
+    dynamic = SyncDrafter(SimpleNamespace(kv=SimpleNamespace()), 4, None)
+    assert dynamic.retune(8) and dynamic.K == 8 and not dynamic.retune(0)
+
+
+def test_a_k_only_switch_is_not_charged_a_restart():
+    """Pricing a switch: a plan that restarts the draft pays its prefill over what is left of the call; a
+    synchronous plan with another K does not (it keeps the cache)."""
+    from hf_ssd.control.controller import Horizon, memory_for, retunable
+
+    assert retunable(Plan("sync", 3), Plan("sync", 7))
+    assert not retunable(Plan("sync", 3), Plan("sync", 7, int8=True))
+    assert not retunable(Plan("sync", 3), Plan("ssd", 3, 6, "thread"))
+    assert not retunable(None, Plan("sync", 3))
+    ctl = Controller(costs(), memory_for(("retune-test",)), 1, {"mode": ("sync",)})
+    decision = ctl.decide(Plan("sync", 3), Horizon(tokens=64, context=400))
+    startups = {p.plan: p.startup_s for p in decision.table}
+    assert startups and all(s == 0.0 for plan, s in startups.items() if not plan.int8)
 
 
 def test_cache_off_warns_once():
@@ -471,15 +536,21 @@ def test_a_decisions_shared_work_gives_the_plans_own_predictions():
 
 
 def test_decisions_take_a_bounded_share_of_the_rounds():
-    """Re-deciding predicts every plan (milliseconds): at most every DECIDE_EVERY rounds and never more than
-    DECIDE_SHARE of the time since the last decision, so fast compiled rounds are not spent predicting."""
-    from hf_ssd.control.drafter import DECIDE_EVERY, DECIDE_SHARE, decision_due
+    """Re-deciding predicts every plan (milliseconds): every DECIDE_EVERY fast rounds, every round when rounds are
+    slow (DECIDE_PERIOD_S), and never more than DECIDE_SHARE of the time since the last decision, so fast compiled
+    rounds are not spent predicting."""
+    from hf_ssd.control.drafter import DECIDE_EVERY, DECIDE_PERIOD_S, DECIDE_SHARE, decision_due
 
-    assert not decision_due(DECIDE_EVERY - 1, 10.0, 0.0)
-    assert decision_due(DECIDE_EVERY, 1.0, 0.0)
+    fast = 0.01  # seconds per round
+    assert not decision_due(DECIDE_EVERY - 1, (DECIDE_EVERY - 1) * fast, 0.0)
+    assert decision_due(DECIDE_EVERY, DECIDE_EVERY * fast, 0.0)
+    assert not decision_due(0, 10.0, 0.0)  # nothing new measured
+    assert decision_due(1, DECIDE_PERIOD_S, 0.0)  # one slow round (a 1.5B target on a CPU): decide now
+    assert not decision_due(1, 0.9 * DECIDE_PERIOD_S, 0.0)
     decide_s = 0.003
     assert not decision_due(DECIDE_EVERY, 0.9 * decide_s / DECIDE_SHARE, decide_s)  # 8 rounds of 9 ms: too soon
     assert decision_due(DECIDE_EVERY, 1.1 * decide_s / DECIDE_SHARE, decide_s)
+    assert not decision_due(1, DECIDE_PERIOD_S, DECIDE_PERIOD_S)  # a decision as slow as the rounds: not yet
 
 
 def test_a_switch_to_uncompiled_shapes_pays_for_their_compiles(monkeypatch):

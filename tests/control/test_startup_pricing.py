@@ -48,11 +48,13 @@ def test_the_running_plan_pays_no_start_and_a_switch_does():
 
 
 def test_a_switch_is_not_worth_its_restart_near_the_end():
-    """Another plan 1.3x faster per round, but the call has 4 tokens left: the restart's prefill outweighs it."""
+    """Another plan faster per round, but the call has 4 tokens left: the restart's prefill outweighs it. (A
+    synchronous plan with another K would not restart: control.controller.retunable.)"""
     ctl = controller()
-    sync1 = Plan("sync", 1)
-    assert ctl.decide(current=sync1).plan != sync1  # without a horizon it would switch
-    assert ctl.decide(current=sync1, horizon=Horizon(tokens=4, context=2000)).plan == sync1
+    small = Plan("ssd", 1, 2, "thread", threads=(1, 1))
+    assert ctl.decide(current=small).plan != small  # without a horizon it would switch
+    assert ctl.decide(current=small, horizon=Horizon(tokens=4, context=2000)).plan == small
+    assert ctl.decide(current=Plan("sync", 1), horizon=Horizon(tokens=4, context=2000)).plan != Plan("sync", 1)
 
 
 def test_measured_starts_calibrate_the_price():

@@ -342,7 +342,8 @@ class Controller:
                 pred.horizon = horizon.tokens * self.batch
                 if pred.plan != current:
                     compiling = self.compile_s(pred.plan, horizon, in_loop=current is not None)
-                    pred.startup_s = self.startup_s(pred.plan, horizon.context) + compiling
+                    restart = 0.0 if retunable(current, pred.plan) else self.startup_s(pred.plan, horizon.context)
+                    pred.startup_s = restart + compiling
                     if compiling > 0:
                         pred.parts = {**pred.parts, "compile": compiling}
         preds.sort(key=lambda x: -x.call_tokens_per_s)
@@ -405,6 +406,13 @@ def _with_startup(pred: Prediction) -> str:
 def family(plan: Plan) -> str:
     """Plans that share a calibration: a mode, and for SSD its worker (a process's hand-over, a thread's GIL)."""
     return f"ssd:{plan.worker}" if plan.mode == "ssd" else plan.mode
+
+
+def retunable(running: Plan | None, other: Plan) -> bool:
+    """Can the running plan become `other` by changing K alone, keeping its draft's cache (no restart, no prefill;
+    draft.sync.SyncDrafter.retune)? Synchronous plans on the same draft and threads can."""
+    return (running is not None and running.mode == other.mode == "sync" and running.int8 == other.int8
+            and running.threads == other.threads)
 
 
 def simpler(a: Plan, b: Plan) -> bool:

@@ -11,14 +11,17 @@ from collections.abc import Callable
 
 import torch
 
-from hf_ssd.control.controller import Controller, Decision, Horizon, Memory
+from hf_ssd.control.controller import Controller, Decision, Horizon, Memory, retunable
 from hf_ssd.control.plan import Plan
 from hf_ssd.core.ranks import distributed, from_rank0
 from hf_ssd.core.types import DraftResult, Speculation, Verdict
 from hf_ssd.draft.protocol import Drafter
 from hf_ssd.runtime.stats import SSDStats
 
-DECIDE_EVERY = 8  # rounds between re-decisions, at least ...
+DECIDE_EVERY = 8  # rounds between re-decisions, at least, unless ...
+# ... this many seconds went by: slow rounds (a 1.5B target on a CPU: about a second each) are re-decided every
+# round, so a call that started on a poor guess of α corrects it in a few rounds, not after a few dozen tokens
+DECIDE_PERIOD_S = 0.25
 # ... and the controller's own time at most this share of the rounds' (a decision predicts every plan, about 3 ms
 # on the project's CPU: every 8 compiled rounds of 9 ms it took a tenth of the decode time)
 DECIDE_SHARE = 0.02
@@ -93,8 +96,8 @@ class ControlledDrafter(Drafter):
         self.rounds += 1
         # under torch.distributed every rank must decide in the same rounds (a decision is a collective): by round
         # count only, since the ranks' clocks differ
-        decide_s = 0.0 if distributed() else self.decide_s
-        if decision_due(self.rounds - self.decided_at, now - self.last_decision, decide_s):
+        seconds_since, decide_s = (0.0, 0.0) if distributed() else (now - self.last_decision, self.decide_s)
+        if decision_due(self.rounds - self.decided_at, seconds_since, decide_s):
             self.decided_at = self.rounds
             began = time.perf_counter()
             decision = agreed(self.controller.decide(self.plan, self._horizon(verdict)))
@@ -146,10 +149,15 @@ class ControlledDrafter(Drafter):
         self.record["switches"].append({"round": self.rounds, "from": before.label, "to": decision.plan.label,
                                         "reason": decision.reason})
         self.stats.controller = self.record
+        self.record["choice"] = decision.plan.label
+        if retunable(before, decision.plan) and self.current.retune(decision.plan.K):
+            # only K changes: the draft keeps its cache, and this round's outcome is resolved as usual
+            self.plan = decision.plan
+            self.controller.mark_compiled(self.plan, in_loop=True)
+            return self.current.resolve(verdict)
         self.retired_forwards += self.current.forwards
         self.current.close()
         self.plan = decision.plan
-        self.record["choice"] = self.plan.label
         torch.set_num_threads(self.caller_threads)  # the restart's prefill runs alone, on every thread
         self.current = self.build(self.plan)
         self.controller.mark_compiled(self.plan, in_loop=True)
@@ -164,9 +172,12 @@ class ControlledDrafter(Drafter):
 
 
 def decision_due(rounds_since: int, seconds_since: float, decide_s: float) -> bool:
-    """Re-decide every DECIDE_EVERY rounds, unless the last decision (`decide_s` seconds) would take more than
-    DECIDE_SHARE of the time since it: a fast plan's short rounds are not spent predicting."""
-    return rounds_since >= DECIDE_EVERY and seconds_since * DECIDE_SHARE >= decide_s
+    """Re-decide every DECIDE_EVERY rounds or DECIDE_PERIOD_S seconds, whichever comes first, unless the last
+    decision (`decide_s` seconds) would take more than DECIDE_SHARE of the time since it: a fast plan's short rounds
+    are not spent predicting, and a slow plan's are re-checked every round."""
+    if rounds_since < 1 or seconds_since * DECIDE_SHARE < decide_s:
+        return False
+    return rounds_since >= DECIDE_EVERY or seconds_since >= DECIDE_PERIOD_S
 
 
 def agreed(decision: Decision) -> Decision:

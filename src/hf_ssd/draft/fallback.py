@@ -66,6 +66,9 @@ class FallbackDrafter(Drafter):
             except Exception as exc:  # noqa: BLE001
                 self._fail(exc)
 
+    def retune(self, K: int) -> bool:
+        return not self.needs_restart and self.current.retune(K)
+
     def close(self) -> None:
         if self.current is not None:
             self.current.close()

@@ -51,6 +51,11 @@ class Drafter(ABC):
         with `verdict.keep` set, in order. Between rounds the drafter's cache holds every committed token except
         the last bonus, which leads the next draft block."""
 
+    def retune(self, K: int) -> bool:
+        """Draft K tokens per round from the next resolve on, keeping the cache (no restart, no prefill). False
+        when this drafter cannot (the caller then builds a new one); the default cannot."""
+        return False
+
     def close(self) -> None:
         """Release caches, threads or processes. Called once, also after a failure."""
 

@@ -17,6 +17,8 @@ class SyncDrafter(Drafter):
 
     def __init__(self, draft: DraftModel, K: int, stats: SSDStats):
         self.draft, self.K, self.stats = draft, K, stats
+        # a static cache is sized for K drafts per round (runtime.static_kv.static_cache_len): never more
+        self.max_K = K if getattr(draft.kv, "static", False) else None
 
     @property
     def forwards(self) -> int:
@@ -39,8 +41,15 @@ class SyncDrafter(Drafter):
         last = prompt[:, -1:].to(self.draft.kv.device)
         return self._draft(last, torch.ones_like(last, dtype=torch.bool))
 
+    def retune(self, K: int) -> bool:
+        """Only the number of draft steps changes: the cache holds the same committed tokens whatever K was."""
+        if K < 1 or (self.max_K is not None and K > self.max_K):
+            return False
+        self.K = K
+        return True
+
     def resolve(self, verdict: Verdict) -> DraftResult:
-        kv, K = self.draft.kv, self.K
+        kv, K = self.draft.kv, self.spec.tokens.shape[1]  # the verified speculation's K (retune may have moved it)
         k = verdict.outcome.accepted.to(kv.device)
         # The cache holds pending + d_1..d_{K-1}; keep the accepted drafts among them.
         kv.invalidate(self.first_draft_slot + k.clamp_max(K - 1))
