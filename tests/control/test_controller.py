@@ -561,10 +561,10 @@ def test_a_switch_to_uncompiled_shapes_pays_for_their_compiles(monkeypatch):
     from hf_ssd.control import compiled as compiled_mod
     from hf_ssd.control.compiled import PLAIN_LOOP_PRIOR_GRAPHS, record_plain_loop_compile
     from hf_ssd.control.controller import Horizon
-    from hf_ssd.runtime import static_kv
+    from hf_ssd.runtime import static_registry
 
     monkeypatch.setattr(compiled_mod, "_PLAIN_LOOP_S", {})
-    monkeypatch.setattr(static_kv, "COMPILE_SPENT", {"seconds": 30.0, "graphs": 10})  # 3 s per graph
+    monkeypatch.setattr(static_registry, "COMPILE_SPENT", {"seconds": 30.0, "graphs": 10})  # 3 s per graph
     allowed = {"mode": ("sync",), "K": (1, 4)}
     one, four = Plan("sync", 1), Plan("sync", 4)
     for compiled in (False, True):

@@ -29,9 +29,10 @@ from hf_ssd.draft.model import DraftModel
 from hf_ssd.draft.saguaro import SaguaroDrafter
 from hf_ssd.draft import static_saguaro
 from hf_ssd.draft.static_saguaro import StaticSaguaroDrafter
-from hf_ssd.runtime import static_kv
+from hf_ssd.runtime import static_kv, static_registry
 from hf_ssd.runtime.kv import CachedModel
-from hf_ssd.runtime.static_kv import StaticCachedModel, slot_allowed
+from hf_ssd.runtime.slot_step import slot_allowed
+from hf_ssd.runtime.static_kv import StaticCachedModel
 from hf_ssd.runtime.stats import SSDStats
 from hf_ssd.testing import ARCHS, VOCAB, get_pair, left_pad, plain_generate, prompt, ssd_generate
 
@@ -324,14 +325,14 @@ def test_every_width_compiles_before_the_first_round(dynamo):
     builds no graph mid-round."""
     counters = dynamo
     p = get_pair("llama")
-    static_kv.clear(p.related)  # no graphs from earlier tests
+    static_registry.clear(p.related)  # no graphs from earlier tests
     ids, mask = left_pad([prompt(7, seed=31)[0]])
     ref = plain_generate(p.target, ids, attention_mask=mask, max_new_tokens=24)
     out = ssd_generate(p.target, p.related, ids, attention_mask=mask, max_new_tokens=24, return_dict_in_generate=True,
                        **{**STATIC, "ssd_backup": "ngram"})  # never a single-token draft step in this one
     assert torch.equal(out.sequences, ref) and out.ssd_stats["draft_compiled"]
     assert out.ssd_stats["draft_compile_s"] > 0
-    entry, = [e for e in static_kv.registry_entries(p.related) if e.batch == 1]
+    entry, = [e for e in static_registry.registry_entries(p.related) if e.batch == 1]
     assert entry.compiled_widths == {1, K + 1, BUDGET + 1}
     graphs = counters["stats"]["unique_graphs"]
     out = ssd_generate(p.target, p.related, ids, attention_mask=mask, max_new_tokens=24, return_dict_in_generate=True,
@@ -342,11 +343,11 @@ def test_every_width_compiles_before_the_first_round(dynamo):
 
 def test_a_shorter_generation_reuses_a_larger_free_entry(dynamo):
     """Static buffers are sized in buckets of max_length: a generation whose bucket is smaller than a free entry's
-    (up to static_kv.REUSE_LARGER times) runs on that entry and its compiled graphs instead of compiling its own,
+    (up to static_registry.REUSE_LARGER times) runs on that entry and its compiled graphs instead of compiling its own,
     with the same tokens."""
     counters = dynamo
     p = get_pair("llama")
-    static_kv.clear(p.related)
+    static_registry.clear(p.related)
     ids, mask = left_pad([prompt(7, seed=32)[0]])
     long = static_kv.BUCKET + 8  # max_new_tokens putting the first generation one bucket up
     out = ssd_generate(p.target, p.related, ids, attention_mask=mask, max_new_tokens=long,
@@ -358,18 +359,18 @@ def test_a_shorter_generation_reuses_a_larger_free_entry(dynamo):
                        return_dict_in_generate=True, **STATIC)
     assert torch.equal(out.sequences, ref) and out.ssd_stats["draft_compiled"]
     assert out.ssd_stats["draft_compile_s"] == 0.0 and counters["stats"]["unique_graphs"] == graphs
-    entry, = [e for e in static_kv.registry_entries(p.related) if e.batch == 1]
+    entry, = [e for e in static_registry.registry_entries(p.related) if e.batch == 1]
     assert entry.max_cache_len > static_kv.BUCKET  # the one larger entry served both
 
 
-@pytest.mark.parametrize("failures", [1, static_kv.COMPILE_TRIES])
+@pytest.mark.parametrize("failures", [1, static_registry.COMPILE_TRIES])
 def test_a_failed_compile_runs_eagerly_and_is_tried_again_next_generation(monkeypatch, failures):
     """Compiling is an optimisation: a width whose compile fails runs eagerly for the rest of the generation (same
     tokens, one warning) and compiles again in the next generation, until it has failed COMPILE_TRIES times; then
     it stays eager. (A failure can be transient: dynamo once failed while another thread ran graphs.)"""
     p = get_pair("llama")
-    static_kv.clear(p.related)
-    real = static_kv._Entry.compiled_step
+    static_registry.clear(p.related)
+    real = static_registry.Entry.compiled_step
     left = {"n": failures, "width": None}
 
     def flaky(self, width):
@@ -383,7 +384,7 @@ def test_a_failed_compile_runs_eagerly_and_is_tried_again_next_generation(monkey
             return fn(*args)
         return call
 
-    monkeypatch.setattr(static_kv._Entry, "compiled_step", flaky)
+    monkeypatch.setattr(static_registry.Entry, "compiled_step", flaky)
     ids, mask = left_pad([prompt(7, seed=33)[0]])
     ref = plain_generate(p.target, ids, attention_mask=mask, max_new_tokens=12)
     for generation in range(failures + 1):
@@ -392,11 +393,11 @@ def test_a_failed_compile_runs_eagerly_and_is_tried_again_next_generation(monkey
             out = ssd_generate(p.target, p.related, ids, attention_mask=mask, max_new_tokens=12,
                                return_dict_in_generate=True, **STATIC)
         assert torch.equal(out.sequences, ref)
-    entry, = [e for e in static_kv.registry_entries(p.related) if e.batch == 1]
+    entry, = [e for e in static_registry.registry_entries(p.related) if e.batch == 1]
     assert entry.compile_failures == {left["width"]: failures}
     failed = left["width"]
-    assert (failed in entry.compiled_widths) == (failures < static_kv.COMPILE_TRIES)
-    static_kv.clear(p.related)
+    assert (failed in entry.compiled_widths) == (failures < static_registry.COMPILE_TRIES)
+    static_registry.clear(p.related)
 
 
 def test_compile_auto_on_cpu_probes_once(dynamo):
@@ -408,7 +409,7 @@ def test_compile_auto_on_cpu_probes_once(dynamo):
         out = ssd_generate(p.target, p.related, ids, attention_mask=mask, max_new_tokens=24,
                            return_dict_in_generate=True, **{**STATIC, "ssd_compile": "auto"})
         assert torch.equal(out.sequences, ref)
-    entries = static_kv.registry_entries(p.related)
+    entries = static_registry.registry_entries(p.related)
     probed = [e.probe for e in entries if e.batch == 1 and e.probe]
     assert probed and all(list(pr) == [BUDGET] for pr in probed)
     assert out.ssd_stats["draft_static"] == probed[0][BUDGET]

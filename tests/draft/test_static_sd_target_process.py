@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hf_ssd
-from hf_ssd.runtime import static_kv
+from hf_ssd.runtime import static_kv, static_registry
 from hf_ssd.testing import ARCHS, get_pair, left_pad, plain_generate, prompt, ssd_generate
 
 
@@ -115,7 +115,7 @@ def test_compiled_sd_and_target_no_breaks_no_recompiles(dynamo):
     assert st["draft_compiled"] and st["fallback_reason"] is None and st["rounds"] >= 20
     assert counters["stats"]["unique_graphs"] == graphs > 0
     assert not counters["graph_break"]
-    entries = static_kv.registry_entries(p.target) + static_kv.registry_entries(p.related)
+    entries = static_registry.registry_entries(p.target) + static_registry.registry_entries(p.related)
     assert {e.model_ref() for e in entries} == {p.target, p.related}
     assert all(e.compile_failed is None for e in entries)  # a failed compile runs eagerly: it must not hide here
 

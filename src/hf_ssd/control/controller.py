@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from hf_ssd.control.compiled import COMPILE_PRIOR_S, compile_share, graph_seconds, plan_graphs
 from hf_ssd.control.costs import Costs
 from hf_ssd.control.plan import Acceptance, Plan, Prediction, candidates, predict, verify_s
-from hf_ssd.runtime import static_kv
+from hf_ssd.runtime import static_registry
 
 MIN_ROUNDS = 4  # rounds a plan must have run before its measured round time replaces the model's
 # A plan's measurement ages as other plans run: after this many rounds (all plans together) it counts half, and
@@ -257,7 +257,7 @@ class Controller:
         missing = self.graphs(plan, in_loop) - self.memory.graphs
         if not missing:
             return 0.0
-        spent = static_kv.COMPILE_SPENT
+        spent = static_registry.COMPILE_SPENT
         per_graph = spent["seconds"] / spent["graphs"] if spent["graphs"] else COMPILE_PRIOR_S
         seconds = sum(graph_seconds(g, self.target, per_graph) for g in missing)
         return compile_share(seconds, horizon.tokens, self.memory.generated)

@@ -33,7 +33,7 @@ from hf_ssd.core.tree import fork, tree_width
 from hf_ssd.core.types import DraftResult, Forks, Speculation, Verdict
 from hf_ssd.draft.model import DraftModel
 from hf_ssd.draft.saguaro import SaguaroDrafter, SpeculationCache
-from hf_ssd.runtime.static_kv import SlotAttend
+from hf_ssd.runtime.slot_step import SlotAttend
 from hf_ssd.runtime.stats import SSDStats
 
 REUSE_TREE = True  # False: always run the glue forward (drafts exactly what the dynamic SaguaroDrafter drafts)
