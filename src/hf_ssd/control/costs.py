@@ -1,15 +1,18 @@
 """What forwards cost on this machine: measured once per (model pair, batch, threads) per process.
 
 A forward of n new tokens per row over a short cached prefix costs about `fixed + per_token·n`: the fixed part is
-launches and weight reads (what dominates decoding), the per-token part is compute. Two timings per model and
-thread setting give that line; everything the controller predicts (a verify of K+1 tokens, a tree of K steps over
-N branches, K synchronous draft steps) is read off it.
+launches and weight reads (what dominates decoding), the per-token part is compute. A single token is its own
+point: it runs matrix-vector kernels, and on the project's CPU the default pair's 1.5B target takes 0.37 s for one
+token but 0.82 s for two, flat to 0.89 s at nine, so a line through 1 and 9 priced a 3-token verify at 0.50 s
+instead of 0.78 and made small K look cheap. Three timings per model and thread setting (n = 1, 2 and n_max) give
+the line and the point; everything the controller predicts (a verify of K+1 tokens, a tree of K steps over N
+branches, K synchronous draft steps) is read off them.
 """
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -19,12 +22,16 @@ from hf_ssd.runtime.kv import cache_argument, input_device, position_limit
 
 @dataclass(frozen=True)
 class Line:
-    """Seconds of one forward of `n` new tokens per row: fixed + per_token * n."""
+    """Seconds of one forward of `n` new tokens per row: fixed + per_token * n, and `one` for n = 1 where it was
+    measured (None: the line holds there too)."""
 
     fixed: float
     per_token: float
+    one: float | None = None
 
     def __call__(self, n: float) -> float:
+        if n <= 1 and self.one is not None:
+            return self.one
         return self.fixed + self.per_token * n
 
     @staticmethod
@@ -93,14 +100,17 @@ def time_forward(model: PreTrainedModel, batch: int, n: int, prefix: int = 8, re
 
 
 def measure_line(model: PreTrainedModel, batch: int, n_max: int, threads: int | None, repeats: int = 1) -> Line:
-    """The cost line of `model` from forwards of 1 and `n_max` tokens per row, on `threads` intra-op threads.
-    (Each timing follows an untimed prefill of the same shapes, which warms the kernels.)"""
+    """The cost line of `model` from forwards of 2 and `n_max` tokens per row, with the single token's own time, on
+    `threads` intra-op threads. (Each timing follows an untimed prefill of the same shapes, which warms the
+    kernels.)"""
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
         t1 = time_forward(model, batch, 1, repeats=repeats)
-        return Line.through(1, t1, n_max, time_forward(model, batch, n_max, repeats=repeats))
+        t2 = time_forward(model, batch, 2, repeats=repeats)
+        line = Line.through(2, t2, n_max, time_forward(model, batch, n_max, repeats=repeats))
+        return replace(line, one=t1)
     finally:
         torch.set_num_threads(before)
 
