@@ -110,6 +110,19 @@ def test_an_old_measurement_is_rechecked_at_the_start_of_a_call():
     assert ctl.decide().plan == sync
 
 
+def test_a_calls_own_acceptance_moves_alpha_off_the_pooled_one():
+    """α mid-call: this call's accepted drafts behind the setting's pooled α as their prior. A code answer accepted
+    at 0.97 after chat answers at 0.7 is priced near 0.97 within a few rounds; a new call starts from the pool."""
+    memory = Memory()
+    memory.accepted, memory.rejected = 700.0, 300.0  # many earlier calls at α = 0.7
+    ctl = Controller(costs(), memory, 1, {})
+    assert ctl.acceptance().alpha == pytest.approx(0.7, abs=0.01)
+    for _ in range(10):  # ten rounds of K=3, every draft accepted
+        ctl.observe_acceptance(3.0, 0.0)
+    assert ctl.acceptance().alpha > 0.9
+    assert Controller(costs(), memory, 1, {}).acceptance().alpha == pytest.approx(0.7, abs=0.02)  # the next call
+
+
 def test_rows_that_finished_count_as_committing_nothing():
     """A round of a batch-4 call in which two rows are left, each committing 3 tokens: 1.5 tokens per row of the
     call. Counting live rows only (3) would price the batch's tail rounds as if every row were still drafting."""
@@ -120,7 +133,9 @@ def test_rows_that_finished_count_as_committing_nothing():
 
     memory = Memory()
     verifies = []
-    fake = SimpleNamespace(memory=memory, controller=SimpleNamespace(batch=4, record_verify=lambda p, s: verifies.append(s)),
+    controller = SimpleNamespace(batch=4, record_verify=lambda p, s: verifies.append(s),
+                                 observe_acceptance=lambda accepted, rejected: None)
+    fake = SimpleNamespace(memory=memory, controller=controller,
                            plan=Plan("sync", 2),
                            last_start=0.0, disturbed=lambda: False,
                            spec=Speculation(torch.zeros(2, 2, dtype=torch.long), torch.tensor([2, 2]), None, None))

@@ -24,6 +24,8 @@ STALE_HALF_LIFE = 1024
 MAX_DRIFT = 0.75  # ... but never below this fraction of the measured round: drift is tens of percent, not more
 SWITCH_GAIN = 1.10  # switch mid-generation only for a predicted gain of 10% or more (timings are noisy)
 SIMPLER_WITHIN = 0.97  # prefer the simpler plan when the fancier one is predicted less than 3% faster
+# pseudo-observations of the setting's pooled α behind this call's own acceptance (Controller.acceptance)
+CALL_ALPHA_WEIGHT = 8.0
 COMPLEXITY = {"plain": 0, "sync": 1, "ssd": 2}
 
 
@@ -162,6 +164,7 @@ class Controller:
         self.plans = plans
         if not self.plans:
             raise ValueError(f"no decoding plan satisfies the given options {allowed}")
+        self.call_accepted = self.call_rejected = 0.0  # this call's acceptance (a controller serves one call)
         # A decision predicts every plan (about 200), and each prediction calibrates against every plan that ran:
         # uncached, a decision cost 14 ms on the project's CPU, more than a compiled round. Within one decision
         # nothing is measured, so what the predictions share is computed once (None: outside a decision).
@@ -185,9 +188,24 @@ class Controller:
 
     # ---- what the controller believes -------------------------------------------------------------------------
     def acceptance(self) -> Acceptance:
-        m = self.memory
-        alpha = self.fixed_alpha if self.fixed_alpha is not None else m.alpha(self.prior.alpha)
+        """α: this call's own accepted and rejected drafts, behind the setting's pooled α (all calls so far) as
+        their prior. Prompts differ: the default pair accepts a code answer at α ≈ 0.97 and a chat answer at 0.7,
+        and mid-call the other plans must be priced at this call's α, as the running plan's measured tokens per
+        round already are (priced at the pooled α, a call running K=3 on a code answer saw no gain in K=8)."""
+        if self.fixed_alpha is not None:
+            alpha = self.fixed_alpha
+        else:
+            pooled = self.memory.alpha(self.prior.alpha)
+            alpha = ((self.call_accepted + pooled * CALL_ALPHA_WEIGHT)
+                     / (self.call_accepted + self.call_rejected + CALL_ALPHA_WEIGHT))
         return Acceptance(alpha=alpha, alpha_backup=None, r=self.prior.r, top1_miss=self.prior.top1_miss)
+
+    def observe_acceptance(self, accepted: float, rejected: float) -> None:
+        """A round's accepted drafts and rejections (rows that did not accept all they had), summed over rows."""
+        self.memory.accepted += accepted
+        self.memory.rejected += rejected
+        self.call_accepted += accepted
+        self.call_rejected += rejected
 
     def model(self, plan: Plan) -> Prediction:
         """The cost model's prediction, before any calibration (a fresh copy: callers adjust it)."""

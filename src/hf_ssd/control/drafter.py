@@ -121,8 +121,7 @@ class ControlledDrafter(Drafter):
         k = verdict.outcome.accepted.cpu()
         n = self.spec.n.cpu()
         drafted = n > 0
-        self.memory.accepted += float(k[drafted].sum())
-        self.memory.rejected += float((k[drafted] < n[drafted]).sum())
+        self.controller.observe_acceptance(float(k[drafted].sum()), float((k[drafted] < n[drafted]).sum()))
         # Plain steps inside our round loop (a switch to plain mid-generation) are not the plain the controller
         # prices: a call that starts with plain runs transformers' own loop, measured there (record_plain), about
         # 1.6x faster per step at batch 16 on the overhead workload. Mixed in, they made plain look slow for good.
