@@ -19,7 +19,7 @@ from hf_ssd.control.controller import Controller, Horizon, memory_for
 from hf_ssd.control.costs import measure_costs
 from hf_ssd.control.drafter import ControlledDrafter, agreed
 from hf_ssd.control.placement import choose_draft_device
-from hf_ssd.control.plan import Acceptance, Plan
+from hf_ssd.control.plan import MAX_K, Acceptance, Plan
 from hf_ssd.draft.fallback import FallbackDrafter
 from hf_ssd.draft.model import DraftModel
 from hf_ssd.draft.protocol import Drafter
@@ -126,8 +126,10 @@ def run_session(
             stats.worker = "inline"
             if plan.mode != "sync":  # SSD's fallback: starts later, from the contexts (dynamic cache)
                 return SyncDrafter(draft_model(0, 1.0), K, stats)
-            kv = static_draft_cache(model, config, B, generation_config.max_length, K, 0, vocab, sync=True)
-            return SyncDrafter(draft_model(B, 1.0, kv), K, stats)
+            # room for the controller's largest K, so a switch that only changes K keeps this cache (retune)
+            room = max(K, MAX_K)
+            kv = static_draft_cache(model, config, B, generation_config.max_length, room, 0, vocab, sync=True)
+            return SyncDrafter(draft_model(B, 1.0, kv), K, stats, max_K=room if kv is not None else None)
 
         stats.mode = plan.mode
         if plan.mode == "plain":

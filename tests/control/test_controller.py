@@ -253,14 +253,18 @@ def test_greedy_identical_while_switching(switching, arch):
     assert len(switches) >= 3 and {s["to"] for s in switches} >= {"sync K=2", "plain"}
 
 
-def test_changing_only_k_keeps_the_drafts_cache(monkeypatch):
+@pytest.mark.parametrize("static", [False, True])
+def test_changing_only_k_keeps_the_drafts_cache(monkeypatch, static):
     """A switch between synchronous plans that differ only in K changes the number of draft steps and keeps the
     draft's cache: no restart and no second prefill (a 1.5B pair's prefill costs half a second on a CPU), and the
-    output stays plain generate()'s."""
+    output stays plain generate()'s. A static draft cache (ssd_compile) is sized for the controller's largest K."""
     from hf_ssd.control import controller as ctl_mod
     from hf_ssd.draft.model import DraftModel
+    from hf_ssd.runtime import static_kv
 
-    Ks = [2, 5, 1, 3, 4]
+    monkeypatch.setattr(static_kv, "COMPILE_ENABLED", False)  # the static path, eagerly: no compile time in CI
+
+    Ks = [2, 5, 1, 3, 8]
 
     def decide(self, current=None, horizon=None):
         K = Ks[0] if current is None else Ks[(Ks.index(current.K) + 1) % len(Ks)]
@@ -277,9 +281,10 @@ def test_changing_only_k_keeps_the_drafts_cache(monkeypatch):
     ref = plain_generate(pair.target, ids, attention_mask=mask, max_new_tokens=50)
     # the target drafts for itself: with the draft's context intact after every retune, every draft is accepted
     out = pair.target.generate(ids, attention_mask=mask, assistant_model=pair.target, ssd=True, max_new_tokens=50,
-                               do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+                               do_sample=False, pad_token_id=0, return_dict_in_generate=True, ssd_compile=static)
     assert torch.equal(out.sequences, ref)
     s = out.ssd_stats
+    assert s["draft_static"] == static
     assert len(s["controller"]["switches"]) >= 5 and {w["to"] for w in s["controller"]["switches"]} == {
         f"sync K={K}" for K in Ks}
     assert len(prefills) == 1  # the prompt's only

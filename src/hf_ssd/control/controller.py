@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from hf_ssd.control.compiled import COMPILE_PRIOR_S, compile_share, graph_seconds, plan_graphs
 from hf_ssd.control.costs import Costs
-from hf_ssd.control.plan import Acceptance, Plan, Prediction, candidates, predict, verify_s
+from hf_ssd.control.plan import MAX_K, Acceptance, Plan, Prediction, candidates, predict, verify_s
 from hf_ssd.runtime import static_registry
 
 MIN_ROUNDS = 4  # rounds a plan must have run before its measured round time replaces the model's
@@ -150,7 +150,8 @@ class Controller:
         self.allowed = allowed
         self.prior = prior or Acceptance()
         self.fixed_alpha = fixed_alpha
-        search = {"modes": tuple(allowed.get("mode", ("plain", "sync", "ssd"))), "max_K": max(allowed.get("K", (8,)))}
+        search = {"modes": tuple(allowed.get("mode", ("plain", "sync", "ssd"))),
+                  "max_K": max(allowed.get("K", (MAX_K,)))}
         if "budget" in allowed:
             search["budgets"] = (allowed["budget"],)
         self.search = search

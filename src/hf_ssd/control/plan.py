@@ -21,6 +21,7 @@ MODES = ("plain", "sync", "ssd")
 # A process worker's hand-over per round (write the outcome to shared memory, wake the child, read its answer):
 # about 0.6 ms measured at batch 1 on the project's CPU; the controller replaces it by measured rounds once it runs.
 PROCESS_HANDOVER_S = 6e-4
+MAX_K = 8  # the most drafts per round the controller considers
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ def predict(plan: Plan, costs: Costs, acc: Acceptance, batch: int) -> Prediction
     return Prediction(plan, tokens, round_s, p_hit, parts={"verify": verify, "tree": tree, "backup": backup})
 
 
-def candidates(costs: Costs, max_K: int = 8, budgets: tuple[int, ...] = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64),
+def candidates(costs: Costs, max_K: int = MAX_K, budgets: tuple[int, ...] = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64),
                modes: tuple[str, ...] = MODES, workers: tuple[str, ...] = ("thread",)) -> list[Plan]:
     """Every plan worth predicting on this hardware. Inline SSD is left out: it builds the tree and then verifies,
     so it never beats synchronous SD. A process worker is a candidate only where one is up (`workers`), and only

@@ -15,10 +15,11 @@ from hf_ssd.runtime.stats import SSDStats
 class SyncDrafter(Drafter):
     kind = "sync"
 
-    def __init__(self, draft: DraftModel, K: int, stats: SSDStats):
+    def __init__(self, draft: DraftModel, K: int, stats: SSDStats, max_K: int | None = None):
+        """max_K: the most drafts per round the draft's cache has room for (a static cache is sized for it,
+        runtime.static_kv.static_cache_len); None: K for a static cache, unbounded for a dynamic one."""
         self.draft, self.K, self.stats = draft, K, stats
-        # a static cache is sized for K drafts per round (runtime.static_kv.static_cache_len): never more
-        self.max_K = K if getattr(draft.kv, "static", False) else None
+        self.max_K = max_K if max_K is not None else (K if getattr(draft.kv, "static", False) else None)
 
     @property
     def forwards(self) -> int:
