@@ -1,18 +1,20 @@
 """What forwards cost on this machine: measured once per (model pair, batch, threads) per process.
 
-A forward of n new tokens per row over a short cached prefix costs about `fixed + per_token·n`: the fixed part is
-launches and weight reads (what dominates decoding), the per-token part is compute. A single token is its own
-point: it runs matrix-vector kernels, and on the project's CPU the default pair's 1.5B target takes 0.37 s for one
-token but 0.82 s for two, flat to 0.89 s at nine, so a line through 1 and 9 priced a 3-token verify at 0.50 s
-instead of 0.78 and made small K look cheap. Three timings per model and thread setting (n = 1, 2 and n_max) give
-the line and the point; everything the controller predicts (a verify of K+1 tokens, a tree of K steps over N
-branches, K synchronous draft steps) is read off them.
+A forward of n new tokens per row over a short cached prefix costs about `fixed + per_token·n` in principle: the
+fixed part is launches and weight reads (what dominates decoding), the per-token part is compute. In practice the
+kernels change with n. On the project's CPU the default pair's 1.5B target takes 0.37 s for 1 token, 0.80 s for 2,
+1.15 s for 3 and 0.78 s for 4 (up to 0.89 s for 9): two and three rows run as that many matrix-vector products,
+four and more as one matrix product. A line through 1 and 9 tokens priced a 3-token verify (K = 2) at 0.50 s
+instead of 1.15 s. So every width a plan uses up to 9 is measured directly (`Curve`), one forward each after one
+shared prefill, and wider forwards (tree steps of many branches) follow the last two points. Everything the
+controller predicts (a verify of K+1 tokens, a tree of K steps over N branches, K synchronous draft steps) is
+read off these curves.
 """
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -22,22 +24,31 @@ from hf_ssd.runtime.kv import cache_argument, input_device, position_limit
 
 @dataclass(frozen=True)
 class Line:
-    """Seconds of one forward of `n` new tokens per row: fixed + per_token * n, and `one` for n = 1 where it was
-    measured (None: the line holds there too)."""
+    """Seconds of one forward of `n` new tokens per row: fixed + per_token * n (synthetic costs, tests)."""
 
     fixed: float
     per_token: float
-    one: float | None = None
 
     def __call__(self, n: float) -> float:
-        if n <= 1 and self.one is not None:
-            return self.one
         return self.fixed + self.per_token * n
 
-    @staticmethod
-    def through(n1: int, t1: float, n2: int, t2: float) -> Line:
-        per_token = max(0.0, (t2 - t1) / (n2 - n1))
-        return Line(max(t1 - per_token * n1, 0.0), per_token)
+
+@dataclass(frozen=True)
+class Curve:
+    """Seconds of one forward of `n` new tokens per row, measured at `points` ((n, seconds), n increasing): read
+    between them piecewise-linearly, and past the last one along the last two (never downhill)."""
+
+    points: tuple[tuple[int, float], ...]
+
+    def __call__(self, n: float) -> float:
+        pts = self.points
+        if n <= pts[0][0]:
+            return pts[0][1]
+        for (n0, t0), (n1, t1) in zip(pts, pts[1:]):
+            if n <= n1:
+                return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
+        (n0, t0), (n1, t1) = pts[-2], pts[-1]
+        return t1 + max(0.0, (t1 - t0) / (n1 - n0)) * (n - n1)
 
 
 @dataclass(frozen=True)
@@ -49,22 +60,22 @@ class Costs:
     """
 
     batch: int
-    target_all: Line
-    draft_all: Line
-    target_split: Line
-    draft_split: Line
+    target_all: Curve | Line
+    draft_all: Curve | Line
+    target_split: Curve | Line
+    draft_split: Curve | Line
     split: tuple[int, int] | None  # (target threads, draft threads) of the split setting; None on a GPU
-    draft_int8_all: Line | None = None
-    draft_int8_split: Line | None = None
+    draft_int8_all: Curve | Line | None = None
+    draft_int8_split: Curve | Line | None = None
     probe_s: float = 0.0  # what measuring cost
     overlap: float = 1.0  # how much of the shorter side hides when both sides run in two threads (1 all, 0 none)
 
-    def draft(self, split: bool, int8: bool) -> Line:
+    def draft(self, split: bool, int8: bool) -> Curve | Line:
         if int8 and self.draft_int8_all is not None:
             return self.draft_int8_split if split else self.draft_int8_all
         return self.draft_split if split else self.draft_all
 
-    def target(self, split: bool) -> Line:
+    def target(self, split: bool) -> Curve | Line:
         return self.target_split if split else self.target_all
 
 
@@ -75,42 +86,42 @@ def probe_ids(vocab: int, batch: int, length: int, device: torch.device) -> torc
     return torch.randint(0, vocab, (batch, length), generator=gen).to(device)
 
 
-def time_forward(model: PreTrainedModel, batch: int, n: int, prefix: int = 8, repeats: int = 2) -> float:
-    """Best-of-`repeats` seconds of one forward of `n` new tokens per row after a cached `prefix`."""
+WIDTHS = (1, 2, 3, 4, 6, 9)  # forward widths timed per model: every verify of K + 1 <= 9 tokens reads off them
+
+
+def time_widths(model: PreTrainedModel, batch: int, widths: tuple[int, ...], prefix: int = 8) -> dict[int, float]:
+    """Seconds of one forward of each of `widths` new tokens per row, after one cached `prefix` (an untimed prefill,
+    which also warms the kernels); each forward's tokens are cropped off before the next."""
     device = input_device(model)
     vocab = model.config.get_text_config().vocab_size
     limit = position_limit(model)
-    if limit is not None:  # a learned position table: stay inside it (n itself is kept: it sets the line's slope)
-        prefix = max(0, min(prefix, limit - n))
-    ids = probe_ids(vocab, batch, prefix + n, device)
-    best = float("inf")
+    if limit is not None:  # a learned position table: stay inside it
+        prefix = max(0, min(prefix, limit - max(widths)))
+    ids = probe_ids(vocab, batch, prefix + max(widths), device)
     cache = DynamicCache()
     cache_kw = cache_argument(model)
+    seconds = {}
     with torch.no_grad():
         if prefix:
             model(input_ids=ids[:, :prefix], use_cache=True, **{cache_kw: cache})
-        for _ in range(repeats):
+        for n in widths:
             start = time.perf_counter()
-            model(input_ids=ids[:, prefix:], use_cache=True, **{cache_kw: cache})
+            model(input_ids=ids[:, prefix:prefix + n], use_cache=True, **{cache_kw: cache})
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            best = min(best, time.perf_counter() - start)
+            seconds[n] = time.perf_counter() - start
             cache.crop(-n)
-    return best
+    return seconds
 
 
-def measure_line(model: PreTrainedModel, batch: int, n_max: int, threads: int | None, repeats: int = 1) -> Line:
-    """The cost line of `model` from forwards of 2 and `n_max` tokens per row, with the single token's own time, on
-    `threads` intra-op threads. (Each timing follows an untimed prefill of the same shapes, which warms the
-    kernels.)"""
+def measure_curve(model: PreTrainedModel, batch: int, n_max: int, threads: int | None) -> Curve:
+    """The cost curve of `model` at WIDTHS and `n_max` tokens per row, on `threads` intra-op threads."""
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        t1 = time_forward(model, batch, 1, repeats=repeats)
-        t2 = time_forward(model, batch, 2, repeats=repeats)
-        line = Line.through(2, t2, n_max, time_forward(model, batch, n_max, repeats=repeats))
-        return replace(line, one=t1)
+        widths = tuple(sorted({w for w in WIDTHS if w <= n_max} | {n_max}))
+        return Curve(tuple(time_widths(model, batch, widths).items()))
     finally:
         torch.set_num_threads(before)
 
@@ -184,8 +195,9 @@ _MEASURED: dict[tuple, Costs] = {}
 
 def measure_costs(target: PreTrainedModel, draft: PreTrainedModel, batch: int, *, n_max: int = 16,
                   int8: bool = False) -> Costs:
-    """Cost lines of the pair at this batch size, for the caller's thread setting (cached per process). About 16
-    forwards of each model; the int8 option also makes the int8 copy once."""
+    """Cost curves of the pair at this batch size, for the caller's thread setting (cached per process). About 20
+    forwards of each model (6-7 widths after one prefill, per thread setting, and the overlap probe); the int8
+    option also makes the int8 copy once."""
     from hf_ssd.draft.quant import quantized_draft
 
     on_gpu = input_device(target).type == "cuda"
@@ -196,17 +208,17 @@ def measure_costs(target: PreTrainedModel, draft: PreTrainedModel, batch: int, *
     start = time.perf_counter()
     split = None if on_gpu else core_split(cores, threads)
     all_threads = None if on_gpu else threads
-    t_all = measure_line(target, batch, 9, all_threads)
-    d_all = measure_line(draft, batch, n_max, all_threads)
+    t_all = measure_curve(target, batch, 9, all_threads)
+    d_all = measure_curve(draft, batch, n_max, all_threads)
     t_split, d_split = t_all, d_all
     if split is not None:
-        t_split = measure_line(target, batch, 9, split[0])
-        d_split = measure_line(draft, batch, n_max, split[1])
+        t_split = measure_curve(target, batch, 9, split[0])
+        d_split = measure_curve(draft, batch, n_max, split[1])
     q_all = q_split = None
     if int8 and not on_gpu and input_device(draft).type == "cpu":
         q = quantized_draft(draft, "int8")
-        q_all = measure_line(q, batch, n_max, all_threads)
-        q_split = q_all if split is None else measure_line(q, batch, n_max, split[1])
+        q_all = measure_curve(q, batch, n_max, all_threads)
+        q_split = q_all if split is None else measure_curve(q, batch, n_max, split[1])
     overlap = measure_overlap(target, draft, batch, split)
     costs = Costs(batch, t_all, d_all, t_split, d_split, split, q_all, q_split, time.perf_counter() - start, overlap)
     _MEASURED[key] = costs
