@@ -297,37 +297,12 @@ def test_check_detects_one_percent_bias(models):
     assert accepted_true >= 19, accepted_true
 
 
-def test_distribution_exact_while_only_k_changes_every_round(models, monkeypatch):
-    """Synchronous plans that differ only in K keep the draft's cache across a switch (SyncDrafter.retune): the
-    next round drafts a different number of tokens from the same cache. The output law stays the target's."""
+def rotating_controller_run(models, monkeypatch, plans: list, seed: int):
+    """A controller that moves to the next of `plans` at every round (the first to start), on one sampled
+    generate() call over every row: the p-value against the exact law, the stats and the plans decided."""
     from hf_ssd.control import controller as ctl_mod
     from hf_ssd.control import drafter as drafter_mod
-    from hf_ssd.control.plan import Plan
 
-    Ks = [1, 3, 2]
-
-    def decide(self, current=None, horizon=None):
-        K = Ks[0] if current is None else Ks[(Ks.index(current.K) + 1) % len(Ks)]
-        return ctl_mod.Decision(Plan("sync", K), "test: rotate K", [])
-
-    monkeypatch.setattr(ctl_mod.Controller, "decide", decide)
-    monkeypatch.setattr(drafter_mod, "DECIDE_EVERY", 1)
-    monkeypatch.setattr(drafter_mod, "CONFIRMATIONS", 1)
-    target, draft = models
-    counts, s = run_ssd(target, draft, [PROMPT_A], seed=31, warp=dict(temperature=0.9), ssd_budget=None)
-    pv = p_value([(counts[0], exact_distribution(target, PROMPT_A, warpers(temperature=0.9)))])
-    assert pv > ALPHA, (pv, s)
-    assert [sw["to"] for sw in s["controller"]["switches"]][:1] == ["sync K=3"]
-
-
-def test_distribution_exact_while_the_controller_switches_plans_every_round(models, monkeypatch):
-    """ssd=True with no options: the controller may change plan between any two rounds (SSD, sync SD, plain steps,
-    other K); each switch restarts the draft on the committed tokens. The output law stays the target's."""
-    from hf_ssd.control import controller as ctl_mod
-    from hf_ssd.control import drafter as drafter_mod
-    from hf_ssd.control.plan import Plan
-
-    plans = [Plan("ssd", 1, 4, "inline"), Plan("sync", 2), Plan("plain"), Plan("ssd", 2, 4, "inline")]
     seen = []
 
     def decide(self, current=None, horizon=None):
@@ -339,7 +314,26 @@ def test_distribution_exact_while_the_controller_switches_plans_every_round(mode
     monkeypatch.setattr(drafter_mod, "DECIDE_EVERY", 1)
     monkeypatch.setattr(drafter_mod, "CONFIRMATIONS", 1)
     target, draft = models
-    counts, s = run_ssd(target, draft, [PROMPT_A], seed=29, warp=dict(temperature=0.9), ssd_budget=None)
-    pv = p_value([(counts[0], exact_distribution(target, PROMPT_A, warpers(temperature=0.9)))])
+    counts, s = run_ssd(target, draft, [PROMPT_A], seed=seed, warp=dict(temperature=0.9), ssd_budget=None)
+    return p_value([(counts[0], exact_distribution(target, PROMPT_A, warpers(temperature=0.9)))]), s, seen
+
+
+def test_distribution_exact_while_only_k_changes_every_round(models, monkeypatch):
+    """Synchronous plans that differ only in K keep the draft's cache across a switch (SyncDrafter.retune): the
+    next round drafts a different number of tokens from the same cache. The output law stays the target's."""
+    from hf_ssd.control.plan import Plan
+
+    pv, s, _ = rotating_controller_run(models, monkeypatch, [Plan("sync", 1), Plan("sync", 3), Plan("sync", 2)], 31)
+    assert pv > ALPHA, (pv, s)
+    assert [sw["to"] for sw in s["controller"]["switches"]][:1] == ["sync K=3"]
+
+
+def test_distribution_exact_while_the_controller_switches_plans_every_round(models, monkeypatch):
+    """ssd=True with no options: the controller may change plan between any two rounds (SSD, sync SD, plain steps,
+    other K); each switch restarts the draft on the committed tokens. The output law stays the target's."""
+    from hf_ssd.control.plan import Plan
+
+    plans = [Plan("ssd", 1, 4, "inline"), Plan("sync", 2), Plan("plain"), Plan("ssd", 2, 4, "inline")]
+    pv, s, seen = rotating_controller_run(models, monkeypatch, plans, 29)
     assert pv > ALPHA, (pv, s)
     assert len(s["controller"]["switches"]) >= 2 and {p.mode for p in seen} == {"ssd", "sync", "plain"}
