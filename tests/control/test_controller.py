@@ -132,8 +132,9 @@ def test_rows_that_finished_count_as_committing_nothing():
     from hf_ssd.core.types import Outcome, Speculation, Verdict
 
     memory = Memory()
-    verifies = []
+    verifies, committed = [], []
     controller = SimpleNamespace(batch=4, record_verify=lambda p, s: verifies.append(s),
+                                 record_tokens=lambda p, tokens: committed.append(tokens),
                                  observe_acceptance=lambda accepted, rejected: None)
     fake = SimpleNamespace(memory=memory, controller=controller,
                            plan=Plan("sync", 2),
@@ -141,8 +142,9 @@ def test_rows_that_finished_count_as_committing_nothing():
                            spec=Speculation(torch.zeros(2, 2, dtype=torch.long), torch.tensor([2, 2]), None, None))
     verdict = Verdict(Outcome(torch.tensor([2, 2]), torch.tensor([5, 6])), torch.tensor([True, True]), [], [], 0.01)
     ControlledDrafter._observe(fake, verdict, 0.05)
-    assert memory.tokens[Plan("sync", 2)].value == pytest.approx(1.5)
+    assert committed == [pytest.approx(1.5)]
     assert memory.round_s[Plan("sync", 2)].value == pytest.approx(0.05)
+    assert memory.generated == pytest.approx(1.5)
     assert verifies == [0.01]
     # plain steps in our round loop (after a switch) are not the transformers loop a plain call runs: not recorded
     fake.plan, fake.last_start = Plan("plain"), 0.0
@@ -469,24 +471,41 @@ def test_measuring_the_pair_leaves_the_callers_rng_alone():
     assert torch.equal(torch.rand(3), expected)
 
 
-def test_measured_tokens_per_round_replace_the_models():
+def test_measured_tokens_per_round_scale_the_models():
     """An SSD plan whose rounds commit fewer tokens than the acceptance model says (misses served by the n-gram
-    backup) is priced by what it committed, and so are the untried SSD plans (any worker); plain then wins."""
+    backup) is priced by what its rounds committed, and so are the untried SSD plans (any worker); plain then wins."""
     ctl = controller(costs(), alpha=0.8, batch=4)
     ssd = ctl.decide().plan
     assert ssd.mode == "ssd"
     modelled = ctl.model(ssd)
-    rounds, tokens = Ema(), Ema(outlier=None)
-    rounds.add(modelled.round_s, count=8)
-    tokens.add(1.05, count=8)  # per row: barely more than plain's one token
-    ctl.memory.round_s[ssd], ctl.memory.tokens[ssd] = rounds, tokens
-    assert ctl.predict(ssd).tokens_per_round == pytest.approx(4 * 1.05)
+    ctl.memory.record_round(ssd, modelled.round_s, count=8)
+    for _ in range(200):
+        ctl.record_tokens(ssd, 1.05)  # per row: barely more than plain's one token
+    ratio = 1.05 / (modelled.tokens_per_round / 4)
+    assert ctl.predict(ssd).tokens_per_round == pytest.approx(ratio * modelled.tokens_per_round, rel=0.02)
     sibling = next(p for p in ctl.plans if p.mode == "ssd" and p != ssd)
-    ratio = 4 * 1.05 / modelled.tokens_per_round
-    assert ctl.predict(sibling).tokens_per_round == pytest.approx(ratio * ctl.model(sibling).tokens_per_round)
+    assert ctl.predict(sibling).tokens_per_round == pytest.approx(ratio * ctl.model(sibling).tokens_per_round,
+                                                                  rel=0.02)
     sync = Plan("sync", 4)
-    assert ctl.predict(sync).tokens_per_round == pytest.approx(ctl.model(sync).tokens_per_round)  # its own family
+    assert ctl.predict(sync).tokens_per_round == pytest.approx(ctl.model(sync).tokens_per_round)  # its own mode
     assert ctl.decide().plan.mode != "ssd"
+
+
+def test_a_plan_measured_on_hard_text_is_priced_at_the_calls_alpha():
+    """Tokens per round depend on the text: a plan that ran on a hard stretch (α 0.4) committed few tokens per
+    round, and one that ran on code (α 0.95) many. Priced by those raw counts, the first would look slow forever.
+    Each round is judged against the model at the α it was drafted at, so a new call prices both at its own α."""
+    ctl = Controller(costs(draft=(0.05, 0.001)), Memory(), 1, {"mode": ("sync",)})
+    hard, easy = Plan("sync", 3), Plan("sync", 6)
+    for plan, alpha, accepted in ((hard, 0.4, 0.6), (easy, 0.95, 5.5)):
+        ctl.fixed_alpha = alpha
+        for _ in range(20):
+            ctl.record_tokens(plan, 1.0 + accepted)
+            ctl.memory.record_round(plan, ctl.model(plan).round_s)
+    ctl.fixed_alpha = 0.8
+    for plan in (hard, easy):
+        assert ctl.predict(plan).tokens_per_round == pytest.approx(ctl.model(plan).tokens_per_round, rel=0.1)
+    assert 0.9 < ctl.yield_calibration("sync") < 1.1
 
 
 def test_decode_clock_leaves_the_prefill_out(monkeypatch):

@@ -63,6 +63,34 @@ class Ema:
         self.n += 1
 
 
+YIELD_PRIOR_ROUNDS = 8.0  # a mode's yield starts as this many rounds that committed what the model said
+YIELD_DECAY = 0.98  # per round: the yield follows the last ~50 rounds of the mode
+
+
+class Yield:
+    """Tokens a mode's rounds committed over the tokens the acceptance model predicted for them at the α in force
+    when they were drafted: a ratio of decayed sums, starting from YIELD_PRIOR_ROUNDS rounds at ratio 1.
+
+    A ratio, not the plan's own tokens per round: those depend on the text more than on the plan (the default pair
+    commits 3.9 tokens per K=8 round on a code answer and 1.4 per K=5 round on a hard chat stretch), so a plan
+    measured on a hard stretch was priced as if every call were as hard. Against the model at the α of the moment,
+    the text's difficulty cancels, and what is left is the mode's own shortfall: an SSD round served by the n-gram
+    backup after a cache miss commits fewer tokens than the primary draft would have."""
+
+    def __init__(self):
+        self.committed = self.modelled = 0.0
+
+    def add(self, committed: float, modelled: float) -> None:
+        if self.modelled == 0.0:
+            self.committed = self.modelled = YIELD_PRIOR_ROUNDS * modelled
+        self.committed = YIELD_DECAY * self.committed + committed
+        self.modelled = YIELD_DECAY * self.modelled + modelled
+
+    @property
+    def ratio(self) -> float:
+        return self.committed / self.modelled if self.modelled > 0 else 1.0
+
+
 @dataclass
 class Memory:
     """What the controller knows about one (pair, device, batch, sampling) setting."""
@@ -72,7 +100,7 @@ class Memory:
     hits: float = 0.0
     lookups: float = 0.0
     round_s: dict[Plan, Ema] = field(default_factory=dict)  # measured seconds per round, per plan that ran
-    tokens: dict[Plan, Ema] = field(default_factory=dict)  # tokens per round per row of the batch, per plan that ran
+    yields: dict[str, Yield] = field(default_factory=dict)  # committed / modelled tokens per round, per mode
     clock: int = 0  # rounds recorded so far, every plan together: how old a measurement is
     # measured / modelled seconds of a drafter's start (its prefill and first drafts): what a draft plan costs a
     # call before its first round
@@ -86,14 +114,12 @@ class Memory:
     def record_round(self, plan: Plan, seconds: float, tokens: float | None = None, count: int = 1,
                      rounds: int | None = None) -> None:
         """`plan` took `seconds` per round (weighted as `count` observations, over `rounds` rounds of the clock,
-        default `count`), its rows committing `tokens` each per round when given."""
+        default `count`), its rows committing `tokens` each per round (default 1)."""
         self.clock += count if rounds is None else rounds
         self.generated += (1.0 if tokens is None else tokens) * (count if rounds is None else rounds)
         ema = self.round_s.setdefault(plan, Ema())
         ema.add(seconds, count=count)
         ema.at = self.clock
-        if tokens is not None:
-            self.tokens.setdefault(plan, Ema(outlier=None)).add(tokens)
 
     def age(self, plan: Plan) -> int:
         """Rounds recorded since `plan`'s round time was last measured."""
@@ -191,8 +217,8 @@ class Controller:
     def acceptance(self) -> Acceptance:
         """α: this call's own accepted and rejected drafts, behind the setting's pooled α (all calls so far) as
         their prior. Prompts differ: the default pair accepts a code answer at α ≈ 0.97 and a chat answer at 0.7,
-        and mid-call the other plans must be priced at this call's α, as the running plan's measured tokens per
-        round already are (priced at the pooled α, a call running K=3 on a code answer saw no gain in K=8)."""
+        and mid-call every plan must be priced at this call's α (priced at the pooled α, a call running K=3 on a code
+        answer saw no gain in K=8)."""
         if self.fixed_alpha is not None:
             alpha = self.fixed_alpha
         else:
@@ -245,16 +271,19 @@ class Controller:
         return min(1.0, statistics.median(ratios.values()))
 
     def yield_calibration(self, mode: str) -> float:
-        """Measured / modelled tokens per round of the plans of `mode` that ran, 1 if none did (whatever the worker:
+        """Committed / modelled tokens per round of `mode`'s rounds (Yield), 1 before any ran (whatever the worker:
         it changes when the tokens come, not how many). The model's tokens per round assume every round drafts as
         well as the primary draft; an SSD round that missed and took the n-gram backup commits fewer, which only the
         measured rounds show."""
-        return self._shared(("yield", mode), lambda: self._yield_calibration(mode))
+        measured = self.memory.yields.get(mode)
+        return 1.0 if measured is None else measured.ratio
 
-    def _yield_calibration(self, mode: str) -> float:
-        ratios = [measured.value * self.batch / max(self.model(plan).tokens_per_round, 1e-9)
-                  for plan, measured in self.memory.tokens.items() if measured.n >= MIN_ROUNDS and plan.mode == mode]
-        return statistics.median(ratios) if ratios else 1.0
+    def record_tokens(self, plan: Plan, tokens: float) -> None:
+        """`plan`'s round committed `tokens` per row of the call's batch; called before the round's acceptance is
+        observed, so the model prices it at the α in force when it was drafted."""
+        if plan.mode != "plain":
+            modelled = self.model(plan).tokens_per_round / self.batch
+            self.memory.yields.setdefault(plan.mode, Yield()).add(tokens, modelled)
 
     def record_verify(self, plan: Plan, seconds: float) -> None:
         """One round's verify of `plan` took `seconds`: its ratio to the target's cost line (calibration("plain"))."""
@@ -301,8 +330,9 @@ class Controller:
             self.memory.startup.add(seconds / modelled)
 
     def predict(self, plan: Plan, aged: bool = False, in_loop: bool = False) -> Prediction:
-        """The plan's tokens per second, from its measurements where it has run (aged: with old ones leaning toward
-        the model, see _aged), else from the calibrated model.
+        """The plan's tokens per second: its round time from its measurements where it has run (aged: with old ones
+        leaning toward the model, see _aged), else from the calibrated model; its tokens per round from the
+        acceptance model at this call's α, times its mode's measured yield.
 
         in_loop: a switch mid-generation. Plain then runs as one-token rounds of our loop, not as transformers' own
         loop (what plain's measurements and its compiled calibration are of): eager (the compiled verify widths
@@ -320,10 +350,7 @@ class Controller:
             pred.parts = {**pred.parts, "measured_round": measured.value}
         else:
             pred.round_s *= self.calibration(family(plan))
-        tokens = self.memory.tokens.get(plan)
-        if tokens is not None and tokens.n >= MIN_ROUNDS:
-            pred.tokens_per_round = tokens.value * self.batch
-        elif plan.mode != "plain":
+        if plan.mode != "plain":  # at this call's α, measured or not: the text's difficulty is not the plan's
             pred.tokens_per_round *= self.yield_calibration(plan.mode)
         if plan.mode == "ssd" and measured is not None and self.memory.lookups >= 20:
             pred.p_hit = self.memory.hits / self.memory.lookups  # for the record: the measured round includes misses

@@ -121,16 +121,17 @@ class ControlledDrafter(Drafter):
         k = verdict.outcome.accepted.cpu()
         n = self.spec.n.cpu()
         drafted = n > 0
+        # tokens committed per row of the call's batch: the backup's weaker proposals after a miss are in here, and
+        # so are the last rounds of a batch, when the rows that finished commit nothing but the round still costs
+        # most of a full one
+        tokens = float((k + 1).sum()) / self.controller.batch
+        self.controller.record_tokens(self.plan, tokens)  # before observing: priced at the α it was drafted at
         self.controller.observe_acceptance(float(k[drafted].sum()), float((k[drafted] < n[drafted]).sum()))
         # Plain steps inside our round loop (a switch to plain mid-generation) are not the plain the controller
         # prices: a call that starts with plain runs transformers' own loop, measured there (record_plain), about
         # 1.6x faster per step at batch 16 on the overhead workload. Mixed in, they made plain look slow for good.
         in_loop_plain = self.plan.mode == "plain"
         if self.last_start is not None and not in_loop_plain and not self.disturbed():  # e.g. a process starting
-            # tokens committed per row of the call's batch: the backup's weaker proposals after a miss are in here,
-            # and so are the last rounds of a batch, when the rows that finished commit nothing but the round still
-            # costs most of a full one
-            tokens = float((k + 1).sum()) / self.controller.batch
             self.memory.record_round(self.plan, now - self.last_start, tokens=tokens)
             if verdict.verify_s > 0:
                 self.controller.record_verify(self.plan, verdict.verify_s)
