@@ -471,6 +471,27 @@ def test_measuring_the_pair_leaves_the_callers_rng_alone():
     assert torch.equal(torch.rand(3), expected)
 
 
+def test_rows_the_ngram_backup_served_leave_alpha_alone():
+    """α is the draft model's acceptance: an SSD round whose row missed the cache and drafted with the n-gram backup
+    (accepting nothing, say) is the mode's yield, not evidence against every drafting plan; the cache's and the
+    just-in-time draft's rows count."""
+    from types import SimpleNamespace
+
+    from hf_ssd.control.drafter import ControlledDrafter
+    from hf_ssd.core.types import SOURCE_CACHE, SOURCE_JIT, SOURCE_NGRAM, Outcome, Speculation, Verdict
+
+    observed = []
+    controller = SimpleNamespace(batch=3, record_verify=lambda p, s: None, record_tokens=lambda p, tokens: None,
+                                 observe_acceptance=lambda accepted, rejected: observed.append((accepted, rejected)))
+    source = torch.tensor([SOURCE_CACHE, SOURCE_JIT, SOURCE_NGRAM])
+    fake = SimpleNamespace(memory=Memory(), controller=controller, plan=Plan("ssd", 3, 8, "thread"),
+                           last_start=None, disturbed=lambda: False,
+                           spec=Speculation(torch.zeros(3, 3, dtype=torch.long), torch.tensor([3, 3, 3]), None, source))
+    verdict = Verdict(Outcome(torch.tensor([3, 1, 0]), torch.tensor([5, 6, 7])), torch.tensor([True] * 3), [], [], 0.0)
+    ControlledDrafter._observe(fake, verdict, 0.05)
+    assert observed == [(4.0, 1.0)]  # rows 0 and 1: 3 + 1 accepted, one rejection
+
+
 def test_measured_tokens_per_round_scale_the_models():
     """An SSD plan whose rounds commit fewer tokens than the acceptance model says (misses served by the n-gram
     backup) is priced by what its rounds committed, and so are the untried SSD plans (any worker); plain then wins."""

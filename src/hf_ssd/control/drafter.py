@@ -14,7 +14,7 @@ import torch
 from hf_ssd.control.controller import Controller, Decision, Horizon, Memory, retunable
 from hf_ssd.control.plan import Plan
 from hf_ssd.core.ranks import distributed, from_rank0
-from hf_ssd.core.types import DraftResult, Speculation, Verdict
+from hf_ssd.core.types import SOURCE_NGRAM, DraftResult, Speculation, Verdict
 from hf_ssd.draft.protocol import Drafter
 from hf_ssd.runtime.stats import SSDStats
 
@@ -126,7 +126,10 @@ class ControlledDrafter(Drafter):
         # most of a full one
         tokens = float((k + 1).sum()) / self.controller.batch
         self.controller.record_tokens(self.plan, tokens)  # before observing: priced at the α it was drafted at
-        self.controller.observe_acceptance(float(k[drafted].sum()), float((k[drafted] < n[drafted]).sum()))
+        # α is the draft model's: rows the n-gram backup served after a cache miss accept far less (their shortfall
+        # is the SSD mode's yield), and counted in α they made every drafting plan look worse than plain
+        primary = drafted if self.spec.source is None else drafted & (self.spec.source.cpu() != SOURCE_NGRAM)
+        self.controller.observe_acceptance(float(k[primary].sum()), float((k[primary] < n[primary]).sum()))
         # Plain steps inside our round loop (a switch to plain mid-generation) are not the plain the controller
         # prices: a call that starts with plain runs transformers' own loop, measured there (record_plain), about
         # 1.6x faster per step at batch 16 on the overhead workload. Mixed in, they made plain look slow for good.
