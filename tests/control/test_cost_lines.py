@@ -37,6 +37,25 @@ def test_measuring_times_every_width_a_verify_uses(monkeypatch):
     assert measure_curve(None, 1, 16, None)(16) == pytest.approx(0.9) and asked[-1][-1] == 16
 
 
+def test_a_thread_setting_asked_twice_is_timed_once_with_two_passes(monkeypatch):
+    """The paper setting gives the target one thread alone and one thread beside the draft: the same forward. It is
+    timed in two passes and each width keeps its fastest (a slow pass is the machine's interruption); a setting
+    asked once is timed once."""
+    passes = iter([{1: 0.40, 2: 0.80}, {1: 0.37, 2: 0.95}])
+    calls = []
+
+    def fake_widths(model, batch, widths, prefix=8):
+        calls.append((model, widths))
+        return next(passes) if model == "target" else {n: 0.1 * n for n in widths}
+
+    monkeypatch.setattr(costs_mod, "time_widths", fake_widths)
+    monkeypatch.setattr(costs_mod, "WIDTHS", (1, 2))
+    alone, beside, draft = costs_mod.measure_curves(1, [("target", 2, 1), ("target", 2, 1), ("draft", 2, 1)])
+    assert alone is beside and alone.points == ((1, 0.37), (2, 0.80))
+    assert [m for m, _ in calls] == ["target", "target", "draft"]
+    assert draft(2) == pytest.approx(0.2)
+
+
 def test_a_verify_that_costs_what_it_measures_moves_a_running_small_k_up():
     """At α = 0.8 a synchronous call running K=2 (a 3-token verify: 1.15 s) gains by drafting more, as a K=3..8
     verify costs 0.8-0.9 s; priced by the straight line, K=2's verify looked like 0.50 s and it stayed (the default
