@@ -11,16 +11,16 @@ import torch
 
 from hf_ssd.control import drafter as drafter_mod
 from hf_ssd.control.controller import Controller, Ema, Memory
-from hf_ssd.control.costs import Costs, Line
+from hf_ssd.control.costs import Costs, Curve
 from hf_ssd.control.plan import Acceptance, Plan, candidates, predict
 from hf_ssd.testing import get_pair, left_pad, plain_generate, prompt
 
 
 def costs(verify=(0.10, 0.002), draft=(0.02, 0.0005), split=1.0, batch=1, int8=None) -> Costs:
     """Cost lines in seconds: (fixed, per token). `split` scales both sides when they share the machine."""
-    t, d = Line(*verify), Line(*draft)
-    ts, ds = Line(t.fixed * split, t.per_token * split), Line(d.fixed * split, d.per_token * split)
-    q = None if int8 is None else Line(*int8)
+    t, d = Curve.straight(*verify), Curve.straight(*draft)
+    ts, ds = Curve.straight(*(split * x for x in verify)), Curve.straight(*(split * x for x in draft))
+    q = None if int8 is None else Curve.straight(*int8)
     return Costs(batch, t, d, ts, ds, (1, 1), q, q)
 
 

@@ -7,12 +7,12 @@ import pytest
 
 from hf_ssd.control import costs as costs_mod
 from hf_ssd.control.controller import Controller, Memory
-from hf_ssd.control.costs import Costs, Curve, Line, measure_curve
+from hf_ssd.control.costs import Costs, Curve, measure_curve
 from hf_ssd.control.plan import Plan
 
 # seconds per forward of n tokens, as measured for the default pair's target on two cores
 MEASURED = {1: 0.37, 2: 0.80, 3: 1.15, 4: 0.78, 6: 0.86, 9: 0.89}
-STRAIGHT = Line(0.305, 0.065)  # the old line through 1 and 9 tokens
+STRAIGHT = Curve.straight(0.305, 0.065)  # the old line through 1 and 9 tokens
 
 
 def test_a_curve_reads_between_and_past_its_points():
@@ -60,7 +60,7 @@ def test_a_verify_that_costs_what_it_measures_moves_a_running_small_k_up():
     """At α = 0.8 a synchronous call running K=2 (a 3-token verify: 1.15 s) gains by drafting more, as a K=3..8
     verify costs 0.8-0.9 s; priced by the straight line, K=2's verify looked like 0.50 s and it stayed (the default
     pair's paper-setting bench at K=2: our SD at 0.72x plain)."""
-    draft = Line(0.030, 0.001)
+    draft = Curve.straight(0.030, 0.001)
 
     def decide_from_K2(target):
         costs = Costs(1, target, draft, target, draft, None)
@@ -70,3 +70,24 @@ def test_a_verify_that_costs_what_it_measures_moves_a_running_small_k_up():
     moved = decide_from_K2(Curve(tuple(MEASURED.items())))
     assert moved.plan.K >= 4, moved.reason
     assert decide_from_K2(STRAIGHT).plan == Plan("sync", 2)
+
+
+def test_the_first_decode_forward_after_the_prefill_is_not_timed():
+    """The first forward of a new shape sets up its kernels: timed as the one-token width, it priced the default
+    pair's plain step 35% over what plain decoding then ran at. A slow first decode forward stays out of the curve."""
+    import time
+
+    from hf_ssd.testing import tiny_llama
+
+    model = tiny_llama().eval()
+    widths = []
+
+    def slow_first_decode(module, args, kwargs):
+        widths.append(kwargs["input_ids"].shape[1])
+        if len(widths) == 2:  # the prefill, then the first decode-shaped forward
+            time.sleep(0.3)
+
+    model.register_forward_pre_hook(slow_first_decode, with_kwargs=True)
+    seconds = costs_mod.time_widths(model, 1, (1, 2))
+    assert widths == [8, 1, 1, 2]
+    assert seconds[1] < 0.2

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_ssd.control.controller import Controller, Horizon, Memory
-from hf_ssd.control.costs import Costs, Line
+from hf_ssd.control.costs import Costs, Curve
 from hf_ssd.control.plan import Plan
 from hf_ssd.testing import get_pair, left_pad, plain_generate, prompt
 
@@ -17,7 +17,7 @@ BATCH = 16
 
 def costs() -> Costs:
     """A verify of (0.10 s + 2 ms/token), a draft step of (20 ms + 0.5 ms/token): drafting pays per round."""
-    t, d = Line(0.10, 0.002), Line(0.02, 0.0005)
+    t, d = Curve.straight(0.10, 0.002), Curve.straight(0.02, 0.0005)
     return Costs(BATCH, t, d, t, d, (1, 1))
 
 

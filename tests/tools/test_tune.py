@@ -8,15 +8,15 @@ import torch
 
 from hf_ssd.config import SSDConfig
 from hf_ssd.control.controller import Controller, Memory
-from hf_ssd.control.costs import Costs, Line
+from hf_ssd.control.costs import Costs, Curve
 from hf_ssd.control.explain import diagnose, largest_hidden_budget
 from hf_ssd.testing import plain_generate, tiny_pair
 from hf_ssd.tools.cli import main
 
 
 def test_doctor_sentences_from_injected_costs():
-    verify, draft = Line(0.100, 0.002), Line(0.010, 0.001)
-    costs = Costs(1, verify, draft, verify, draft, (1, 1), Line(0.004, 0.0005), Line(0.004, 0.0005))
+    verify, draft = Curve.straight(0.100, 0.002), Curve.straight(0.010, 0.001)
+    costs = Costs(1, verify, draft, verify, draft, (1, 1), Curve.straight(0.004, 0.0005), Curve.straight(0.004, 0.0005))
     # tree(N) = draft(5) + 4 * draft(N) = 0.055 + 0.004 N <= verify(5) = 0.11  ->  N <= 13; tree(32) = 0.183 s
     assert largest_hidden_budget(costs, 4, split=True) == 13
     text = "\n".join(diagnose(costs, Controller(costs, Memory(), 1, {}, fixed_alpha=0.8)))

@@ -10,14 +10,14 @@ import torch
 from hf_ssd.control import controller as ctl_mod
 from hf_ssd.control import drafter as drafter_mod
 from hf_ssd.control.controller import Controller, Memory
-from hf_ssd.control.costs import Costs, Line
+from hf_ssd.control.costs import Costs, Curve
 from hf_ssd.control.plan import Plan, Prediction
 from hf_ssd.testing import get_pair, left_pad, plain_generate, prompt
 from hf_ssd.workers import pool
 
 
 def costs(overlap: float) -> Costs:
-    t, d = Line(0.10, 0.002), Line(0.02, 0.0005)
+    t, d = Curve.straight(0.10, 0.002), Curve.straight(0.02, 0.0005)
     return Costs(1, t, d, t, d, (1, 1), None, None, overlap=overlap)
 
 

@@ -23,17 +23,6 @@ from hf_ssd.runtime.kv import cache_argument, input_device, position_limit
 
 
 @dataclass(frozen=True)
-class Line:
-    """Seconds of one forward of `n` new tokens per row: fixed + per_token * n (synthetic costs, tests)."""
-
-    fixed: float
-    per_token: float
-
-    def __call__(self, n: float) -> float:
-        return self.fixed + self.per_token * n
-
-
-@dataclass(frozen=True)
 class Curve:
     """Seconds of one forward of `n` new tokens per row, measured at `points` ((n, seconds), n increasing): read
     between them piecewise-linearly, and past the last one along the last two (never downhill)."""
@@ -50,6 +39,11 @@ class Curve:
         (n0, t0), (n1, t1) = pts[-2], pts[-1]
         return t1 + max(0.0, (t1 - t0) / (n1 - n0)) * (n - n1)
 
+    @classmethod
+    def straight(cls, fixed: float, per_token: float) -> Curve:
+        """fixed + per_token * n for every n >= 0: synthetic costs (tests, examples of the model's arithmetic)."""
+        return cls(((0, fixed), (1, fixed + per_token)))
+
 
 @dataclass(frozen=True)
 class Costs:
@@ -60,22 +54,22 @@ class Costs:
     """
 
     batch: int
-    target_all: Curve | Line
-    draft_all: Curve | Line
-    target_split: Curve | Line
-    draft_split: Curve | Line
+    target_all: Curve
+    draft_all: Curve
+    target_split: Curve
+    draft_split: Curve
     split: tuple[int, int] | None  # (target threads, draft threads) of the split setting; None on a GPU
-    draft_int8_all: Curve | Line | None = None
-    draft_int8_split: Curve | Line | None = None
+    draft_int8_all: Curve | None = None
+    draft_int8_split: Curve | None = None
     probe_s: float = 0.0  # what measuring cost
     overlap: float = 1.0  # how much of the shorter side hides when both sides run in two threads (1 all, 0 none)
 
-    def draft(self, split: bool, int8: bool) -> Curve | Line:
+    def draft(self, split: bool, int8: bool) -> Curve:
         if int8 and self.draft_int8_all is not None:
             return self.draft_int8_split if split else self.draft_int8_all
         return self.draft_split if split else self.draft_all
 
-    def target(self, split: bool) -> Curve | Line:
+    def target(self, split: bool) -> Curve:
         return self.target_split if split else self.target_all
 
 
