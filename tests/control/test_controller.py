@@ -515,18 +515,20 @@ def test_measured_tokens_per_round_scale_the_models():
 def test_a_plan_measured_on_hard_text_is_priced_at_the_calls_alpha():
     """Tokens per round depend on the text: a plan that ran on a hard stretch (α 0.4) committed few tokens per
     round, and one that ran on code (α 0.95) many. Priced by those raw counts, the first would look slow forever.
-    Each round is judged against the model at the α it was drafted at, so a new call prices both at its own α."""
-    ctl = Controller(costs(draft=(0.05, 0.001)), Memory(), 1, {"mode": ("sync",)})
-    hard, easy = Plan("sync", 3), Plan("sync", 6)
-    for plan, alpha, accepted in ((hard, 0.4, 0.6), (easy, 0.95, 5.5)):
+    A synchronous round is the acceptance model itself, so a new call prices both at its own α; SSD rounds are
+    judged against the model at the α they were drafted at, so the text's difficulty cancels there too."""
+    ctl = Controller(costs(draft=(0.05, 0.001)), Memory(), 1, {"mode": ("sync", "ssd")})
+    hard, easy = Plan("sync", 3), Plan("ssd", 6, 16, "thread", threads=(1, 1))
+    for plan, alpha, accepted in ((hard, 0.4, 0.6), (easy, 0.95, 5.5), (hard, 0.6, 0.5)):
         ctl.fixed_alpha = alpha
         for _ in range(20):
             ctl.record_tokens(plan, 1.0 + accepted)
+            ctl.observe_acceptance(accepted, 1.0)
             ctl.memory.record_round(plan, ctl.model(plan).round_s)
     ctl.fixed_alpha = 0.8
-    for plan in (hard, easy):
-        assert ctl.predict(plan).tokens_per_round == pytest.approx(ctl.model(plan).tokens_per_round, rel=0.1)
-    assert 0.9 < ctl.yield_calibration("sync") < 1.1
+    assert ctl.predict(hard).tokens_per_round == pytest.approx(ctl.model(hard).tokens_per_round)
+    assert ctl.predict(easy).tokens_per_round == pytest.approx(ctl.model(easy).tokens_per_round, rel=0.1)
+    assert "sync" not in ctl.memory.yields and 0.9 < ctl.yield_calibration("ssd") < 1.1
 
 
 def test_decode_clock_leaves_the_prefill_out(monkeypatch):

@@ -68,14 +68,14 @@ YIELD_DECAY = 0.98  # per round: the yield follows the last ~50 rounds of the mo
 
 
 class Yield:
-    """Tokens a mode's rounds committed over the tokens the acceptance model predicted for them at the α in force
-    when they were drafted: a ratio of decayed sums, starting from YIELD_PRIOR_ROUNDS rounds at ratio 1.
+    """Tokens SSD's rounds committed over the tokens the acceptance model predicted for them at the α in force when
+    they were drafted: a ratio of decayed sums, starting from YIELD_PRIOR_ROUNDS rounds at ratio 1.
 
     A ratio, not the plan's own tokens per round: those depend on the text more than on the plan (the default pair
     commits 3.9 tokens per K=8 round on a code answer and 1.4 per K=5 round on a hard chat stretch), so a plan
     measured on a hard stretch was priced as if every call were as hard. Against the model at the α of the moment,
-    the text's difficulty cancels, and what is left is the mode's own shortfall: an SSD round served by the n-gram
-    backup after a cache miss commits fewer tokens than the primary draft would have."""
+    most of the text's difficulty cancels, and what is left is the mode's own shortfall: an SSD round served by the
+    n-gram backup after a cache miss commits fewer tokens than the primary draft would have."""
 
     def __init__(self):
         self.committed = self.modelled = 0.0
@@ -100,7 +100,7 @@ class Memory:
     hits: float = 0.0
     lookups: float = 0.0
     round_s: dict[Plan, Ema] = field(default_factory=dict)  # measured seconds per round, per plan that ran
-    yields: dict[str, Yield] = field(default_factory=dict)  # committed / modelled tokens per round, per mode
+    yields: dict[str, Yield] = field(default_factory=dict)  # committed / modelled tokens per round ("ssd")
     clock: int = 0  # rounds recorded so far, every plan together: how old a measurement is
     # measured / modelled seconds of a drafter's start (its prefill and first drafts): what a draft plan costs a
     # call before its first round
@@ -271,17 +271,19 @@ class Controller:
         return min(1.0, statistics.median(ratios.values()))
 
     def yield_calibration(self, mode: str) -> float:
-        """Committed / modelled tokens per round of `mode`'s rounds (Yield), 1 before any ran (whatever the worker:
-        it changes when the tokens come, not how many). The model's tokens per round assume every round drafts as
-        well as the primary draft; an SSD round that missed and took the n-gram backup commits fewer, which only the
-        measured rounds show."""
-        measured = self.memory.yields.get(mode)
+        """Committed / modelled tokens per round of SSD's rounds (Yield), 1 before any ran (whatever the worker: it
+        changes when the tokens come, not how many). The model's tokens per round assume every round drafts as well
+        as the primary draft; an SSD round that missed and took the n-gram backup commits fewer, which only the
+        measured rounds show. A synchronous round is the acceptance model itself (K drafts of the one draft model,
+        which α measures), so it keeps the model's figure: its measured ratio only said how far the call's α lagged
+        the text (0.87 after a few hard chat answers), and priced sync below plain on every call that followed."""
+        measured = self.memory.yields.get(mode) if mode == "ssd" else None
         return 1.0 if measured is None else measured.ratio
 
     def record_tokens(self, plan: Plan, tokens: float) -> None:
         """`plan`'s round committed `tokens` per row of the call's batch; called before the round's acceptance is
         observed, so the model prices it at the α in force when it was drafted."""
-        if plan.mode != "plain":
+        if plan.mode == "ssd":
             modelled = self.model(plan).tokens_per_round / self.batch
             self.memory.yields.setdefault(plan.mode, Yield()).add(tokens, modelled)
 
