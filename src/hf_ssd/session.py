@@ -15,7 +15,8 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 
 from hf_ssd.config import SSDConfig
-from hf_ssd.control.controller import Controller, Horizon, memory_for
+from hf_ssd.control.controller import Controller, Horizon
+from hf_ssd.control.memory import memory_for
 from hf_ssd.control.costs import measure_costs
 from hf_ssd.control.drafter import ControlledDrafter, agreed
 from hf_ssd.control.placement import choose_draft_device

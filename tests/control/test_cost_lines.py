@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from hf_ssd.control import costs as costs_mod
-from hf_ssd.control.controller import Controller, Memory
+from hf_ssd.control.controller import Controller
+from hf_ssd.control.memory import Memory
 from hf_ssd.control.costs import Costs, Curve, measure_curve
 from hf_ssd.control.plan import Plan
 

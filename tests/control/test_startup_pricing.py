@@ -7,7 +7,8 @@ import threading
 import pytest
 import torch
 
-from hf_ssd.control.controller import Controller, Horizon, Memory
+from hf_ssd.control.controller import Controller, Horizon
+from hf_ssd.control.memory import Memory
 from hf_ssd.control.costs import Costs, Curve
 from hf_ssd.control.plan import Plan
 from hf_ssd.testing import get_pair, left_pad, plain_generate, prompt

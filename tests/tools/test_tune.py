@@ -7,7 +7,8 @@ import json
 import torch
 
 from hf_ssd.config import SSDConfig
-from hf_ssd.control.controller import Controller, Memory
+from hf_ssd.control.controller import Controller
+from hf_ssd.control.memory import Memory
 from hf_ssd.control.costs import Costs, Curve
 from hf_ssd.control.explain import diagnose, largest_hidden_budget
 from hf_ssd.testing import plain_generate, tiny_pair

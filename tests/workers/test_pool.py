@@ -9,7 +9,8 @@ import torch
 
 from hf_ssd.control import controller as ctl_mod
 from hf_ssd.control import drafter as drafter_mod
-from hf_ssd.control.controller import Controller, Memory
+from hf_ssd.control.controller import Controller
+from hf_ssd.control.memory import Memory
 from hf_ssd.control.costs import Costs, Curve
 from hf_ssd.control.plan import Plan, Prediction
 from hf_ssd.testing import get_pair, left_pad, plain_generate, prompt

@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from hf_ssd.control.controller import Controller, Decision, Horizon, Memory, retunable
+from hf_ssd.control.controller import Controller, Decision, Horizon, retunable
+from hf_ssd.control.memory import Memory
 from hf_ssd.control.plan import Plan
 from hf_ssd.core.ranks import distributed, from_rank0
 from hf_ssd.core.types import SOURCE_NGRAM, DraftResult, Speculation, Verdict

@@ -19,7 +19,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_ssd.config import SSDConfig, config_from_kwargs
 from hf_ssd.control.compiled import record_plain_loop_compile
-from hf_ssd.control.controller import record_plain
+from hf_ssd.control.memory import record_plain
 from hf_ssd.hf.plain_hand_off import DecodeClock, compiled_graphs, use_static_cache
 from hf_ssd.workers import pool
 from hf_ssd.workers.process import DraftProcess

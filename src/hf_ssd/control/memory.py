@@ -1,0 +1,123 @@
+"""What the controller has learned about one (pair, device, batch size, sampling) setting, kept for the life of the
+process: round times per plan, acceptance, SSD's yield, start-up and verify ratios, compiled graphs.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from hf_ssd.control.plan import Plan
+
+OUTLIER = 4.0  # a round this many times the average is a one-off stall (a compile, a page fault), not the plan
+START = 3  # the average starts at the median of the first rounds, so a first-round stall cannot seed it
+
+
+class Ema:
+    """Exponential moving average of round times, robust to one-off stalls: it starts at the median of its first
+    START observations, and later ones above OUTLIER times the average are skipped, unless 3 come in a row (then
+    the plan really got slower). `outlier=None`: no skipping (for quantities that have no stalls)."""
+
+    def __init__(self, weight: float = 0.2, outlier: float | None = OUTLIER):
+        self.weight, self.value, self.n = weight, None, 0
+        self.outlier = outlier
+        self.first: list[float] = []
+        self.outliers = 0
+        self.at = 0  # Memory.clock at the last observation
+
+    def add(self, x: float, count: int = 1) -> None:
+        for _ in range(count):
+            self._add(x)
+
+    def _add(self, x: float) -> None:
+        if len(self.first) < START:
+            self.first.append(x)
+            self.value = statistics.median(self.first)
+            self.n += 1
+            return
+        if self.outlier is not None and x > self.outlier * self.value and self.outliers < 2:
+            self.outliers += 1
+            return
+        self.outliers = 0
+        self.value = (1 - self.weight) * self.value + self.weight * x
+        self.n += 1
+
+
+YIELD_PRIOR_ROUNDS = 8.0  # a mode's yield starts as this many rounds that committed what the model said
+YIELD_DECAY = 0.98  # per round: the yield follows the last ~50 rounds of the mode
+
+
+class Yield:
+    """Tokens SSD's rounds committed over the tokens the acceptance model predicted for them at the α in force when
+    they were drafted: a ratio of decayed sums, starting from YIELD_PRIOR_ROUNDS rounds at ratio 1.
+
+    A ratio, not the plan's own tokens per round: those depend on the text more than on the plan (the default pair
+    commits 3.9 tokens per K=8 round on a code answer and 1.4 per K=5 round on a hard chat stretch), so a plan
+    measured on a hard stretch was priced as if every call were as hard. Against the model at the α of the moment,
+    most of the text's difficulty cancels, and what is left is the mode's own shortfall: an SSD round served by the
+    n-gram backup after a cache miss commits fewer tokens than the primary draft would have."""
+
+    def __init__(self):
+        self.committed = self.modelled = 0.0
+
+    def add(self, committed: float, modelled: float) -> None:
+        if self.modelled == 0.0:
+            self.committed = self.modelled = YIELD_PRIOR_ROUNDS * modelled
+        self.committed = YIELD_DECAY * self.committed + committed
+        self.modelled = YIELD_DECAY * self.modelled + modelled
+
+    @property
+    def ratio(self) -> float:
+        return self.committed / self.modelled if self.modelled > 0 else 1.0
+
+
+@dataclass
+class Memory:
+    """What the controller knows about one (pair, device, batch, sampling) setting."""
+
+    accepted: float = 0.0  # accepted drafts, summed over rows and rounds (for α)
+    rejected: float = 0.0  # rejections (rounds where a row did not accept every draft it had)
+    hits: float = 0.0
+    lookups: float = 0.0
+    round_s: dict[Plan, Ema] = field(default_factory=dict)  # measured seconds per round, per plan that ran
+    ssd_yield: Yield = field(default_factory=Yield)  # SSD's committed / modelled tokens per round
+    clock: int = 0  # rounds recorded so far, every plan together: how old a measurement is
+    # measured / modelled seconds of a drafter's start (its prefill and first drafts): what a draft plan costs a
+    # call before its first round
+    startup: Ema = field(default_factory=lambda: Ema(outlier=None))
+    # measured / modelled seconds of the target's verify in draft plans: how much faster the target's own forward
+    # runs than its eager cost line (a compiled target), the best guide to a compiled plain step not yet measured
+    verify: Ema = field(default_factory=Ema)
+    graphs: set = field(default_factory=set)  # compiled graphs the plans that ran have built (control.compiled)
+    generated: float = 0.0  # tokens per row committed by the rounds recorded so far
+
+    def record_round(self, plan: Plan, seconds: float, tokens: float | None = None, count: int = 1,
+                     rounds: int | None = None) -> None:
+        """`plan` took `seconds` per round (weighted as `count` observations, over `rounds` rounds of the clock,
+        default `count`), its rows committing `tokens` each per round (default 1)."""
+        self.clock += count if rounds is None else rounds
+        self.generated += (1.0 if tokens is None else tokens) * (count if rounds is None else rounds)
+        ema = self.round_s.setdefault(plan, Ema())
+        ema.add(seconds, count=count)
+        ema.at = self.clock
+
+    def age(self, plan: Plan) -> int:
+        """Rounds recorded since `plan`'s round time was last measured."""
+        return self.clock - self.round_s[plan].at
+
+    def alpha(self, prior: float) -> float:
+        weight = 8.0  # pseudo-observations of the prior
+        return (self.accepted + prior * weight) / (self.accepted + self.rejected + weight)
+
+
+_MEMORY: dict[tuple, Memory] = {}
+
+
+def memory_for(key: tuple) -> Memory:
+    return _MEMORY.setdefault(key, Memory())
+
+
+def record_plain(memory: Memory, step_s: float, steps: int) -> None:
+    """A plain decoding run outside our round loop (transformers' own, after a hand-off) took `step_s` seconds per
+    decode step over `steps` steps: its measured round time, so a plain choice is checked like any other."""
+    if steps > 0:
+        memory.record_round(Plan("plain"), step_s, count=min(steps, 8), rounds=steps)
