@@ -4,7 +4,8 @@ Its inputs are the measured cost lines of the pair (control/costs.py), the accep
 bonus token's guessability r, the cache hit rate) and the round times each plan really took. Predictions come from
 control/plan.py; a plan that has run replaces its predicted round time by its measured one. What it learns
 (control/memory.py) is kept per (target, draft, device, batch size, greedy or sampled) for the life of the process,
-so a second generate() call starts from the first one's knowledge. A decision never changes the output law: every plan is exact.
+so a second generate() call starts from the first one's knowledge. A decision never changes the output law: every
+plan is exact.
 """
 from __future__ import annotations
 
