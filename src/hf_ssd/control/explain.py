@@ -29,8 +29,9 @@ def diagnose(costs: Costs, controller: Controller, K: int = 4) -> list[str]:
         "verifies drafting per round.",
     ]
     if costs.draft_int8_all is not None:
-        lines.append(f"The int8 copy of the draft runs a step in {costs.draft_int8_all(1) * 1e3:.1f} ms against "
-                     f"{d_all(1) * 1e3:.1f} ms in full precision ({d_all(1) / max(costs.draft_int8_all(1), 1e-9):.1f}x).")
+        q1 = costs.draft_int8_all(1)
+        lines.append(f"The int8 copy of the draft runs a step in {q1 * 1e3:.1f} ms against "
+                     f"{d_all(1) * 1e3:.1f} ms in full precision ({d_all(1) / max(q1, 1e-9):.1f}x).")
     if split:
         tt, dt = costs.split
         lines.append(f"With the draft beside the target, the cores split {tt}+{dt}: a verify then takes "
