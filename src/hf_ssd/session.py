@@ -15,7 +15,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 
 from hf_ssd.config import SSDConfig
-from hf_ssd.control.controller import Controller, Horizon
+from hf_ssd.control.controller import Controller
 from hf_ssd.control.memory import memory_for
 from hf_ssd.control.costs import measure_costs
 from hf_ssd.control.drafter import ControlledDrafter, agreed
@@ -164,7 +164,8 @@ def run_session(
             drafter = build(Plan("sync", config.num_draft_tokens or 4))
         else:
             P = input_ids.shape[1]
-            first = agreed(controller.decide(horizon=Horizon(max(generation_config.max_length - P, 0), P)))
+            stats.controller_memory = controller.memory  # generate() records the call's length in it
+            first = agreed(controller.decide(horizon=controller.horizon(generation_config.max_length - P, P)))
             if pooled is None and worker is None and config.worker == "auto":
                 wanted = controller.process_option(first.plan)
             if plain_hand_off and first.plan.mode == "plain":
@@ -175,7 +176,6 @@ def run_session(
                                     "switches": [], "probe_s": round(controller.costs.probe_s, 4)}
                 _ask_for_process(draft, wanted, pooled, stats, first.plan)
                 controller.mark_compiled(first.plan)
-                stats.controller_memory = controller.memory
                 return None, stats
             drafter = ControlledDrafter(controller, build, stats, first, disturbed=pool.starting,
                                         max_length=generation_config.max_length)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_ssd.control.controller import Controller, Horizon
-from hf_ssd.control.memory import Memory
+from hf_ssd.control.memory import CallLength, Memory
 from hf_ssd.control.costs import Costs, Curve
 from hf_ssd.control.plan import Plan
 from hf_ssd.testing import get_pair, left_pad, plain_generate, prompt
@@ -103,3 +103,52 @@ def test_prefills_run_on_every_thread_and_rounds_on_the_plans_split(monkeypatch)
     assert all(n == 2 for _, n in prefills)
     rounds = [n for prefill, main, n in seen if main and not prefill]
     assert rounds and all(n == 1 for n in rounds)
+
+
+def test_call_lengths_are_a_censored_mean_and_limit_hits_say_nothing_alone():
+    """Calls that hit their limit are counted at it but do not end a length; until one call ends on its own the
+    limit stands (a warm-up of 12 tokens says nothing of the answer's length)."""
+    length = CallLength()
+    assert length.left(320) == 320
+    length.add(4, ended=False)
+    length.add(12, ended=False)
+    assert length.left(320) == 320
+    length.add(91, ended=True)
+    expected = (0.9 * (0.9 * 4 + 12) + 91) / 1.0
+    assert length.left(320) == round(expected)
+    assert length.left(50) == 50  # never past the limit
+    for _ in range(40):
+        length.add(20, ended=True)
+    assert length.left(320) == 20  # the last calls dominate
+
+
+def test_a_generous_limit_is_priced_at_the_lengths_calls_really_run():
+    """max_new_tokens=512 for answers that end after 16 tokens: the draft's prefill is spread over 16, not 512, and
+    plain decoding wins the call, as when the limit itself is 16."""
+    memory = Memory()
+    ctl = controller(memory)
+    assert ctl.decide(horizon=ctl.horizon(512, 2000)).plan.mode != "plain"
+    for _ in range(3):
+        memory.call_length.add(16, ended=True)
+    assert ctl.horizon(512, 2000) == Horizon(tokens=16, context=2000)
+    assert ctl.decide(horizon=ctl.horizon(512, 2000)).plan.mode == "plain"
+
+
+def test_generate_records_how_long_each_call_ran(monkeypatch):
+    from hf_ssd import session
+
+    memory = Memory()
+    monkeypatch.setattr(session, "memory_for", lambda key: memory)
+    pair = get_pair("llama")
+    ids = prompt(6, seed=3)
+    ref = plain_generate(pair.target, ids, max_new_tokens=10)
+    kw = dict(assistant_model=pair.related, ssd=True, do_sample=False, pad_token_id=0)
+    out = pair.target.generate(ids, max_new_tokens=10, **kw)
+    assert torch.equal(out, ref)
+    assert (memory.call_length.tokens, memory.call_length.ended) == (10, 0)  # hit its limit: no length yet
+    eos = int(ref[0, ids.shape[1] + 3])
+    made = next(i for i, t in enumerate(ref[0, ids.shape[1]:].tolist()) if t == eos) + 1
+    out = pair.target.generate(ids, max_new_tokens=10, eos_token_id=eos, **kw)
+    assert out.shape[1] - ids.shape[1] == made
+    assert memory.call_length.tokens == pytest.approx(0.9 * 10 + made)
+    assert memory.call_length.ended == pytest.approx(1.0)

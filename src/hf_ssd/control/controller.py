@@ -198,6 +198,11 @@ class Controller:
         seconds = sum(graph_seconds(g, self.target, per_graph) for g in missing)
         return compile_share(seconds, horizon.tokens, self.memory.generated)
 
+    def horizon(self, limit_left: int, context: int) -> Horizon:
+        """What is left of a call whose limit allows `limit_left` more tokens per row, at `context` tokens per row:
+        fewer tokens than the limit where calls here have ended sooner (Memory.call_length)."""
+        return Horizon(self.memory.call_length.left(max(limit_left, 0)), context)
+
     def startup_model(self, plan: Plan, context: int) -> float:
         """Modelled seconds of starting `plan`'s drafter on `context` tokens per row: the draft's prefill (all
         threads: the target waits for it) and its first K drafts. Plain decoding has no draft to start."""

@@ -146,7 +146,7 @@ class ControlledDrafter(Drafter):
         if self.max_length is None or not verdict.contexts:
             return None
         context = max(c.shape[0] for c in verdict.contexts)
-        return Horizon(max(self.max_length - context, 0), context)
+        return self.controller.horizon(self.max_length - context, context)
 
     def _switch(self, decision, verdict: Verdict) -> DraftResult:
         before = self.plan

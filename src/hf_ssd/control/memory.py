@@ -1,5 +1,5 @@
 """What the controller has learned about one (pair, device, batch size, sampling) setting, kept for the life of the
-process: round times per plan, acceptance, SSD's yield, start-up and verify ratios, compiled graphs.
+process: round times per plan, acceptance, SSD's yield, start-up and verify ratios, compiled graphs, call lengths.
 """
 from __future__ import annotations
 
@@ -70,6 +70,34 @@ class Yield:
         return self.committed / self.modelled if self.modelled > 0 else 1.0
 
 
+CALL_LENGTH_DECAY = 0.9  # per call: the expected length follows the last ~10 calls
+
+
+class CallLength:
+    """How many tokens a call generates (its longest row), for pricing a drafter's start over the tokens a call
+    will really make: users give generous limits (`max_new_tokens=512` for answers of ~100 tokens), and a start
+    spread over the limit looked 5x cheaper than it was.
+
+    Lengths are treated as memoryless (exponential): the estimate is every call's tokens (those that hit their
+    limit counted at it) over the calls that ended on their own (EOS, a stop string), the maximum-likelihood mean
+    when some lengths are cut off. Until a call has ended on its own, lengths are unknown and the limit stands (a
+    warm-up of 12 tokens says nothing of the answer's length). Memoryless also means a call that has run long is
+    expected to run as long again, so mid-call the tokens left are min(limit left, the mean)."""
+
+    def __init__(self):
+        self.tokens = self.ended = 0.0
+
+    def add(self, tokens: int, ended: bool) -> None:
+        self.tokens = CALL_LENGTH_DECAY * self.tokens + tokens
+        self.ended = CALL_LENGTH_DECAY * self.ended + float(ended)
+
+    def left(self, limit_left: int) -> int:
+        """Tokens per row a call still makes, expected, when its limit allows `limit_left` more."""
+        if self.ended <= 0:
+            return limit_left
+        return min(limit_left, max(1, round(self.tokens / self.ended)))
+
+
 @dataclass
 class Memory:
     """What the controller knows about one (pair, device, batch, sampling) setting."""
@@ -89,6 +117,7 @@ class Memory:
     verify: Ema = field(default_factory=Ema)
     graphs: set = field(default_factory=set)  # compiled graphs the plans that ran have built (control.compiled)
     generated: float = 0.0  # tokens per row committed by the rounds recorded so far
+    call_length: CallLength = field(default_factory=CallLength)  # how long calls run here (the horizon's tokens)
 
     def record_round(self, plan: Plan, seconds: float, tokens: float | None = None, count: int = 1,
                      rounds: int | None = None) -> None:
