@@ -672,3 +672,23 @@ def test_the_graphs_each_plan_compiles():
                                                                     ("draft", False, False, 2)}
     assert plan_graphs(Plan("plain"), draft=True, target=True) == {("plain",)}
     assert plan_graphs(Plan("plain"), draft=True, target=True, in_loop=True) == frozenset()
+
+
+def test_plain_on_an_unmeasured_alpha_is_explored_and_then_left_alone():
+    """Plain decoding observes no acceptance, so a plain choice on the prior α would stand forever. Until α rests on
+    EXPLORE_ROUNDS drafting rounds, a call that would start plain runs the best drafting plan if it is predicted
+    within EXPLORE_WITHIN of plain; not once α is measured, nor where drafting is predicted far slower, nor with a
+    fixed α."""
+    from hf_ssd.control.controller import EXPLORE_ROUNDS
+
+    c = costs(draft=(0.08, 0.0005), split=2.0)  # at α = 0.7 plain 9.8 tok/s, sync K=1 9.2: plain is the pick
+    memory = Memory()
+    ctl = Controller(c, memory, 1, {}, prior=Acceptance(alpha=0.7))
+    first = ctl.decide()
+    assert first.plan.mode == "sync" and first.reason.startswith("exploring sync")
+    for _ in range(EXPLORE_ROUNDS):
+        ctl.observe_acceptance(0.7, 0.3)  # α = 0.7 measured: plain really is faster
+    assert ctl.decide().plan == Plan("plain")
+    assert controller(c, alpha=0.7).decide().plan == Plan("plain")  # a fixed α is known: no exploring
+    useless = Controller(costs(draft=(0.3, 0.002), split=2.0), Memory(), 1, {}, prior=Acceptance(alpha=0.7))
+    assert useless.decide().plan == Plan("plain")

@@ -26,6 +26,12 @@ STALE_HALF_LIFE = 1024
 MAX_DRIFT = 0.75  # ... but never below this fraction of the measured round: drift is tens of percent, not more
 SWITCH_GAIN = 1.10  # switch mid-generation only for a predicted gain of 10% or more (timings are noisy)
 SIMPLER_WITHIN = 0.97  # prefer the simpler plan when the fancier one is predicted less than 3% faster
+# Plain decoding observes no acceptance: chosen on the prior α (or on a few unlucky rounds), it would be chosen
+# forever. Until α rests on this many drafting rounds, a call that would start plain runs the best drafting plan
+# instead, if that is predicted within EXPLORE_WITHIN of plain; its rounds measure α, and a mid-call decision
+# switches to plain within a few rounds where drafting really is slower.
+EXPLORE_ROUNDS = 32
+EXPLORE_WITHIN = 0.80
 # pseudo-observations of the setting's pooled α behind this call's own acceptance (Controller.acceptance)
 CALL_ALPHA_WEIGHT = 8.0
 COMPLEXITY = {"plain": 0, "sync": 1, "ssd": 2}
@@ -118,6 +124,8 @@ class Controller:
         """A round's accepted drafts and rejections (rows that did not accept all they had), summed over rows."""
         self.memory.accepted += accepted
         self.memory.rejected += rejected
+        if accepted + rejected > 0:  # a round that drafted (plain steps in our loop observe nothing)
+            self.memory.alpha_rounds += 1
         self.call_accepted += accepted
         self.call_rejected += rejected
 
@@ -293,6 +301,10 @@ class Controller:
         for pred in preds:
             if pred.call_tokens_per_s >= fastest * SIMPLER_WITHIN and simpler(pred.plan, best.plan):
                 best = pred
+        if current is None and best.plan.mode == "plain":
+            explore = self._exploration(preds, best)
+            if explore is not None:
+                return explore
         if current is not None and best.plan != current:
             now = next((p for p in preds if p.plan == current), None)
             if now is not None and best.call_tokens_per_s < now.call_tokens_per_s * SWITCH_GAIN:
@@ -300,6 +312,19 @@ class Controller:
                                          f"{best.call_tokens_per_s / max(now.call_tokens_per_s, 1e-9):.2f}x, under "
                                          f"the {SWITCH_GAIN:.2f}x needed to switch", preds[:6])
         return Decision(best.plan, self._explain(best, preds), preds[:6])
+
+    def _exploration(self, preds: list[Prediction], plain: Prediction) -> Decision | None:
+        """The best drafting plan instead of plain while α rests on too few rounds (EXPLORE_ROUNDS), if it is
+        predicted within EXPLORE_WITHIN of plain; None when α is known (measured, or fixed by the options)."""
+        if self.fixed_alpha is not None or self.memory.alpha_rounds >= EXPLORE_ROUNDS:
+            return None
+        drafting = [p for p in preds if p.plan.mode != "plain"]
+        if not drafting or drafting[0].call_tokens_per_s < EXPLORE_WITHIN * plain.call_tokens_per_s:
+            return None
+        best = drafting[0]
+        reason = (f"exploring {best.plan.label}: alpha rests on {self.memory.alpha_rounds} drafting rounds (plain "
+                  f"decoding measures none); {self._explain(plain, preds)}")
+        return Decision(best.plan, reason, preds[:6])
 
     def process_option(self, chosen: Plan) -> Prediction | None:
         """The best process-worker plan when none is up yet, if it is predicted at least SWITCH_GAIN times faster

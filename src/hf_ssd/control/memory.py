@@ -104,6 +104,7 @@ class Memory:
 
     accepted: float = 0.0  # accepted drafts, summed over rows and rounds (for α)
     rejected: float = 0.0  # rejections (rounds where a row did not accept every draft it had)
+    alpha_rounds: int = 0  # drafting rounds that informed α: how much α rests on measurement, not the prior
     hits: float = 0.0
     lookups: float = 0.0
     round_s: dict[Plan, Ema] = field(default_factory=dict)  # measured seconds per round, per plan that ran
