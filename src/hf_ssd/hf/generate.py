@@ -199,10 +199,9 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
     finally:
         if streamer is not None and not handed_off:
             streamer.end()
-    limit = generation_config.max_length - input_ids.shape[1]
-    made = sequences.shape[1] - input_ids.shape[1] if handed_off else max(len(t) for t in rows.tokens)
     if stats.controller_memory is not None:  # how long calls run here: the next calls' horizon
-        stats.controller_memory.call_length.add(made, ended=made < limit)
+        made = sequences.shape[1] - input_ids.shape[1] if handed_off else max(len(t) for t in rows.tokens)
+        stats.controller_memory.call_length.add(made, ended=made < generation_config.max_length - input_ids.shape[1])
     summary = stats.summary()
     _last_stats = summary
     if handed_off:
