@@ -20,6 +20,7 @@ from hf_ssd.control.memory import memory_for
 from hf_ssd.control.costs import measure_costs
 from hf_ssd.control.drafter import ControlledDrafter, agreed
 from hf_ssd.control.placement import choose_draft_device
+from hf_ssd.control.plain_acceptance import PlainProbe
 from hf_ssd.control.plan import MAX_K, Acceptance, Plan
 from hf_ssd.draft.fallback import FallbackDrafter
 from hf_ssd.draft.model import DraftModel
@@ -165,7 +166,8 @@ def run_session(
         else:
             P = input_ids.shape[1]
             stats.controller_memory = controller.memory  # generate() records the call's length in it
-            first = agreed(controller.decide(horizon=controller.horizon(generation_config.max_length - P, P)))
+            horizon = controller.horizon(generation_config.max_length - P, P)
+            first = agreed(controller.decide(horizon=horizon))
             if pooled is None and worker is None and config.worker == "auto":
                 wanted = controller.process_option(first.plan)
             if plain_hand_off and first.plan.mode == "plain":
@@ -176,6 +178,11 @@ def run_session(
                                     "switches": [], "probe_s": round(controller.costs.probe_s, 4)}
                 _ask_for_process(draft, wanted, pooled, stats, first.plan)
                 controller.mark_compiled(first.plan)
+                measuring = controller.plain_measurement(first, horizon)
+                if measuring is not None:  # plain observes no α: the draft reads it off the answer afterwards
+                    model = quantized_draft(draft, "int8" if measuring.int8 else None)
+                    stats.plain_probe = PlainProbe(DraftModel(model, 0, vocab, draft_processors, greedy, 1.0, None),
+                                                   controller.memory, measuring.label)
                 return None, stats
             drafter = ControlledDrafter(controller, build, stats, first, disturbed=pool.starting,
                                         max_length=generation_config.max_length)

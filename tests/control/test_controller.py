@@ -692,3 +692,26 @@ def test_plain_on_an_unmeasured_alpha_is_explored_and_then_left_alone():
     assert controller(c, alpha=0.7).decide().plan == Plan("plain")  # a fixed α is known: no exploring
     useless = Controller(costs(draft=(0.3, 0.002), split=2.0), Memory(), 1, {}, prior=Acceptance(alpha=0.7))
     assert useless.decide().plan == Plan("plain")
+
+
+def test_a_switch_to_plain_waits_for_rounds_that_rule_drafting_out(monkeypatch):
+    """Mid-call, plain must win even at the optimistic end of the call's α (SWITCH_OPTIMISM posterior deviations):
+    a switch to plain lasts the rest of the call, and a few unlucky rounds are not evidence enough. A long bad stretch
+    is."""
+    from hf_ssd.control import controller as ctl_mod
+
+    c = costs(draft=(0.07, 0.0005), split=2.0)  # sync K=1 wins at α = 0.8, plain at 0.7
+    memory = Memory()
+    memory.add_acceptance(80.0, 20.0, rounds=100)
+    running = Plan("sync", 1)
+    ctl = Controller(c, memory, 1, {}, prior=Acceptance(alpha=0.7))
+    assert ctl.decide().plan == running
+    ctl.observe_acceptance(0.0, 5.0)  # five rounds, all rejected
+    kept = ctl.decide(current=running)
+    assert kept.plan == running and kept.reason.startswith("keeping sync K=1: plain is predicted faster")
+    monkeypatch.setattr(ctl_mod, "SWITCH_OPTIMISM", 0.0)
+    assert ctl.decide(current=running).plan == Plan("plain")  # at the call's α alone it would have switched
+    monkeypatch.undo()
+    for _ in range(20):
+        ctl.observe_acceptance(0.4, 0.6)  # twenty more rounds at α = 0.4
+    assert ctl.decide(current=running).plan == Plan("plain")

@@ -9,6 +9,7 @@ plan is exact.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, replace
 
@@ -32,8 +33,16 @@ SIMPLER_WITHIN = 0.97  # prefer the simpler plan when the fancier one is predict
 # switches to plain within a few rounds where drafting really is slower.
 EXPLORE_ROUNDS = 32
 EXPLORE_WITHIN = 0.80
+# A call that runs plain while drafting is predicted within MEASURE_WITHIN of it has its draft measure α along the
+# answer afterwards (control.plain_acceptance), if that costs at most MEASURE_SHARE of the call's decoding: the
+# next calls then decide on an α that plain calls keep up to date.
+MEASURE_WITHIN = 0.70
+MEASURE_SHARE = 0.05
 # pseudo-observations of the setting's pooled α behind this call's own acceptance (Controller.acceptance)
 CALL_ALPHA_WEIGHT = 8.0
+# A switch to plain mid-call is priced against the running plan at α this many posterior deviations above the call's
+# estimate (Controller._doubt): it lasts the rest of the call, so it waits for rounds that rule drafting out.
+SWITCH_OPTIMISM = 1.0
 COMPLEXITY = {"plain": 0, "sync": 1, "ssd": 2}
 
 
@@ -51,6 +60,7 @@ class Decision:
     plan: Plan
     reason: str
     table: list[Prediction]  # the best few alternatives, fastest first
+    drafting: Prediction | None = None  # the fastest drafting plan (sync or SSD), whatever was chosen
 
 
 class Controller:
@@ -85,6 +95,7 @@ class Controller:
         if not self.plans:
             raise ValueError(f"no decoding plan satisfies the given options {allowed}")
         self.call_accepted = self.call_rejected = 0.0  # this call's acceptance (a controller serves one call)
+        self.optimism = 0.0  # posterior deviations added to α (acceptance): only while pricing a switch to plain
         # A decision predicts every plan (about 200), and each prediction calibrates against every plan that ran:
         # uncached, a decision cost 14 ms on the project's CPU, more than a compiled round. Within one decision
         # nothing is measured, so what the predictions share is computed once (None: outside a decision).
@@ -116,16 +127,16 @@ class Controller:
             alpha = self.fixed_alpha
         else:
             pooled = self.memory.alpha(self.prior.alpha)
-            alpha = ((self.call_accepted + pooled * CALL_ALPHA_WEIGHT)
-                     / (self.call_accepted + self.call_rejected + CALL_ALPHA_WEIGHT))
+            weight = self.call_accepted + self.call_rejected + CALL_ALPHA_WEIGHT
+            alpha = (self.call_accepted + pooled * CALL_ALPHA_WEIGHT) / weight
+            # the optimistic end of what the call's rounds leave open (the Beta posterior's deviations)
+            alpha = min(1.0, alpha + self.optimism * math.sqrt(alpha * (1.0 - alpha) / (weight + 1.0)))
         return Acceptance(alpha=alpha, alpha_backup=None, r=self.prior.r, top1_miss=self.prior.top1_miss)
 
     def observe_acceptance(self, accepted: float, rejected: float) -> None:
         """A round's accepted drafts and rejections (rows that did not accept all they had), summed over rows."""
-        self.memory.accepted += accepted
-        self.memory.rejected += rejected
-        if accepted + rejected > 0:  # a round that drafted (plain steps in our loop observe nothing)
-            self.memory.alpha_rounds += 1
+        # a round that drafted counts towards exploring (plain steps in our loop observe nothing)
+        self.memory.add_acceptance(accepted, rejected, rounds=int(accepted + rejected > 0))
         self.call_accepted += accepted
         self.call_rejected += rejected
 
@@ -301,17 +312,44 @@ class Controller:
         for pred in preds:
             if pred.call_tokens_per_s >= fastest * SIMPLER_WITHIN and simpler(pred.plan, best.plan):
                 best = pred
+        drafting = next((p for p in preds if p.plan.mode != "plain"), None)
         if current is None and best.plan.mode == "plain":
             explore = self._exploration(preds, best)
             if explore is not None:
                 return explore
+        if current is not None and current.mode != "plain" and best.plan.mode == "plain":
+            doubt = self._doubt(current, best, preds, drafting)
+            if doubt is not None:
+                return doubt
         if current is not None and best.plan != current:
             now = next((p for p in preds if p.plan == current), None)
             if now is not None and best.call_tokens_per_s < now.call_tokens_per_s * SWITCH_GAIN:
                 return Decision(current, f"keeping {current.label}: {best.plan.label} is predicted "
                                          f"{best.call_tokens_per_s / max(now.call_tokens_per_s, 1e-9):.2f}x, under "
-                                         f"the {SWITCH_GAIN:.2f}x needed to switch", preds[:6])
-        return Decision(best.plan, self._explain(best, preds), preds[:6])
+                                         f"the {SWITCH_GAIN:.2f}x needed to switch", preds[:6], drafting)
+        return Decision(best.plan, self._explain(best, preds), preds[:6], drafting)
+
+    def _doubt(self, current: Plan, plain: Prediction, preds: list[Prediction],
+               drafting: Prediction | None) -> Decision | None:
+        """Keep drafting when plain wins only at the call's α and not at the optimistic end of what its rounds leave
+        open (SWITCH_OPTIMISM posterior deviations); None when plain wins there too. A switch to plain is for the
+        rest of the call (plain measures no α to switch back on), and the call's α after a few rounds is noisy: one
+        or two rejections at K=7 took the default pair's from 0.79 to 0.70 and a call ran plain where SD was 1.25x
+        faster."""
+        if self.fixed_alpha is not None:
+            return None
+        self._memo, self.optimism = {}, SWITCH_OPTIMISM
+        try:
+            hopeful = self.predict(current, in_loop=True)
+            alpha = self.acceptance().alpha
+        finally:
+            self._memo, self.optimism = None, 0.0
+        if plain.call_tokens_per_s >= hopeful.tokens_per_s * SWITCH_GAIN:
+            return None
+        return Decision(current, f"keeping {current.label}: plain is predicted faster at the call's "
+                                 f"alpha={self.acceptance().alpha:.2f}, but not at alpha={alpha:.2f}, which its rounds "
+                                 f"do not rule out ({hopeful.tokens_per_s:.2f} against plain's "
+                                 f"{plain.call_tokens_per_s:.2f} tok/s)", preds[:6], drafting)
 
     def _exploration(self, preds: list[Prediction], plain: Prediction) -> Decision | None:
         """The best drafting plan instead of plain while α rests on too few rounds (EXPLORE_ROUNDS), if it is
@@ -324,7 +362,24 @@ class Controller:
         best = drafting[0]
         reason = (f"exploring {best.plan.label}: alpha rests on {self.memory.alpha_rounds} drafting rounds (plain "
                   f"decoding measures none); {self._explain(plain, preds)}")
-        return Decision(best.plan, reason, preds[:6])
+        return Decision(best.plan, reason, preds[:6], best)
+
+    def plain_measurement(self, decision: Decision, horizon: Horizon) -> Plan | None:
+        """The drafting plan whose draft should measure α along the answer of a call that runs plain
+        (control.plain_acceptance), or None: only where drafting is predicted within MEASURE_WITHIN of plain (so a
+        better α could change the choice) and one draft forward over the call's context and answer is predicted to
+        cost at most MEASURE_SHARE of the call's decoding. Never with a fixed α."""
+        plain, drafting = next((p for p in decision.table if p.plan == decision.plan), None), decision.drafting
+        if self.fixed_alpha is not None or plain is None or plain.plan.mode != "plain" or drafting is None:
+            return None
+        if drafting.call_tokens_per_s < MEASURE_WITHIN * plain.call_tokens_per_s:
+            return None
+        decoding_s = horizon.tokens * self.batch / max(plain.tokens_per_s, 1e-9)
+        ratio = self.memory.startup.value if self.memory.startup.value is not None else 1.0  # as startup_s
+        forward_s = self.costs.draft(False, drafting.plan.int8)(horizon.context + horizon.tokens) * ratio
+        if forward_s > MEASURE_SHARE * decoding_s:
+            return None
+        return drafting.plan
 
     def process_option(self, chosen: Plan) -> Prediction | None:
         """The best process-worker plan when none is up yet, if it is predicted at least SWITCH_GAIN times faster

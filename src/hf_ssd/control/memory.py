@@ -130,6 +130,12 @@ class Memory:
         ema.add(seconds, count=count)
         ema.at = self.clock
 
+    def add_acceptance(self, accepted: float, rejected: float, rounds: int = 1) -> None:
+        """Accepted drafts and rejections observed over `rounds` drafting rounds (or their equivalent)."""
+        self.accepted += accepted
+        self.rejected += rejected
+        self.alpha_rounds += rounds
+
     def age(self, plan: Plan) -> int:
         """Rounds recorded since `plan`'s round time was last measured."""
         return self.clock - self.round_s[plan].at

@@ -184,7 +184,10 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
                 stats.controller["reason"] += (" (static cache, compiled)" if why_not is None
                                                else f" (eager: a compiled plain loop could not be set up: {why_not})")
             start, graphs, clock, busy = time.perf_counter(), compiled_graphs(), DecodeClock(), pool.starting()
-            result = GenerationMixin._sample(model, input_ids, LogitsProcessorList([*logits_processor, clock]),
+            probe = stats.plain_probe
+            watching = probe.processors() if probe is not None else []  # last: they see the final scores
+            processors = LogitsProcessorList([*logits_processor, clock, *watching])
+            result = GenerationMixin._sample(model, input_ids, processors,
                                              stopping_criteria, generation_config, synced_gpus=False,
                                              streamer=streamer, **model_kwargs)
             end = time.perf_counter()
@@ -196,6 +199,9 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
                 record_plain(stats.controller_memory, step_s, sequences.shape[1] - input_ids.shape[1] - 1)
             elif compiled_graphs() != graphs and clock.first is not None:  # transformers compiled its loop: what
                 record_plain_loop_compile(model, end - clock.first)  # that took (its decode steps are a rounding)
+            if probe is not None:
+                stats.controller["plain_alpha"] = _measure_plain_alpha(probe, sequences, input_ids, mask,
+                                                                       generation_config)
     finally:
         if streamer is not None and not handed_off:
             streamer.end()
@@ -235,6 +241,17 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
         logits=steps(rows.logits) if generation_config.output_logits else None,
         ssd_stats=summary,
     )
+
+
+def _measure_plain_alpha(probe, sequences, input_ids, mask, generation_config) -> dict:
+    """α along the answer plain decoding just made, for the controller's next calls (control.plain_acceptance). It
+    only reads the finished output: a failure is noted in ssd_stats and changes nothing else."""
+    eos = generation_config._eos_token_tensor
+    eos_ids = [] if eos is None else [int(t) for t in eos.reshape(-1)]
+    try:
+        return probe.finish(sequences, input_ids.shape[1], mask, eos_ids) or {"skipped": "no answer tokens"}
+    except Exception as exc:  # noqa: BLE001 - measuring is optional; the answer is already made
+        return {"failed": f"{type(exc).__name__}: {exc}"}
 
 
 def _rng_state(device: torch.device):

@@ -51,6 +51,7 @@ class SSDStats:
     fallback_reason: str | None = None  # set when the draft side failed and the exact sync path took over
     controller: dict | None = None  # the controller's choice, reasons, predictions and switches (mode="auto")
     controller_memory: Any = None  # what it learns (control.memory.Memory): plain steps, call lengths
+    plain_probe: Any = None  # a call handed to plain decoding: measures α along its answer (control.plain_acceptance)
     draft_static: bool = False  # the Saguaro draft side ran on the static, fixed-shape cache (ssd_compile)
     draft_compiled: bool = False  # ... and its glue and tree forwards ran as compiled graphs
     draft_compile_s: float = 0.0  # seconds this generation spent compiling them (0 when already compiled)

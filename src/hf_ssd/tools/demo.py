@@ -71,6 +71,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"  round {sw['round']}: {sw['from']} -> {sw['to']} ({sw['reason']})")
     if "process_worker" in c:
         print(f"Process worker: {c['process_worker']}.")
+    measured = c.get("plain_alpha") or {}
+    if "alpha" in measured:
+        print(f"Acceptance measured along the plain answer (for the next calls): alpha={measured['alpha']} over "
+              f"{measured['positions']} tokens in {measured['seconds']} s.")
     hit = "n/a" if s["hit_rate"] is None else f"{s['hit_rate']:.0%}"
     hidden = "n/a" if s["overlap_fraction"] is None else f"{s['overlap_fraction']:.0%}"
     print(f"Mean accepted drafts per round {s['mean_accepted']:.2f}, cache hit rate {hit}, draft work hidden under "
