@@ -318,8 +318,12 @@ def test_methods_are_timed_interleaved(monkeypatch):
     calls = []
     real = bench_runner.generate_once
 
+    seeds = []
+
     def recording(m, target, draft, ids, mask, **kw):
         calls.append((m.name, tuple(ids[0].tolist()), kw["max_new_tokens"] is None))
+        if kw["max_new_tokens"] is None:
+            seeds.append(kw["seed"])
         return real(m, target, draft, ids, mask, **kw)
 
     monkeypatch.setattr(bench_runner, "generate_once", recording)
@@ -338,6 +342,8 @@ def test_methods_are_timed_interleaved(monkeypatch):
             assert {last for _, last in group} == {batches[bi]}
             order = ["plain", "sd", "ssd:auto"]
             assert [name for name, _ in group] == order[rep:] + order[:rep]
+    # one seed per pass for every method (sampled runs draw a new sample of each prompt per pass)
+    assert seeds == [rep for rep in range(3) for _ in range(2 * 3)]
     by = {r["method"]: r for r in report["results"]}
     assert by["sd"]["greedy_equal"] is True and by["sd"]["greedy_equal_runs"] == "6/6"
     assert by["ssd:auto"]["greedy_equal"] is True and by["plain"]["repeats"] == 3

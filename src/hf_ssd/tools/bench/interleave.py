@@ -39,10 +39,11 @@ def run_group(setting, temp, b, ps, methods, batches, *, cfg, generate_once, tar
     """Warm every method up, then time them interleaved; returns (one result row per method, samples).
     A method in `optional` that raises is left out with its error in `errors`; any other raises."""
     def gen_for(m):
-        def gen(batch, max_new_tokens=None):
+        def gen(batch, max_new_tokens=None, seed=None):
             ids, mask = left_pad([p["input_ids"] for p in batch], pad=pad_id)
             return generate_once(m, target, draft, ids, mask, cfg=cfg, setting=setting, temperature=temp,
-                                 pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=max_new_tokens, process=process)
+                                 pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=max_new_tokens, process=process,
+                                 seed=seed)
         return gen
 
     def drop(m, exc: Exception) -> None:
@@ -81,7 +82,9 @@ def run_group(setting, temp, b, ps, methods, batches, *, cfg, generate_once, tar
                     continue  # an optional method that failed in this pass
                 before = compiled_graphs() if m.compiled else 0
                 try:
-                    r = gens[m.name](batch)
+                    # one seed per pass, the same for every method: sampled runs then time a new sample of each
+                    # prompt in each pass (one sample timed three times measured the clock, not the method)
+                    r = gens[m.name](batch, seed=cfg.seed + rep)
                 except Exception as exc:  # noqa: BLE001
                     drop(m, exc)
                     live.remove(m)

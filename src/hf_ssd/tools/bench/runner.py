@@ -170,9 +170,11 @@ def _set_hf_schedule(draft, name: str, K: int) -> dict[str, Any]:
 
 
 def generate_once(method: Method, target, draft, ids, mask, *, cfg: BenchConfig, setting: str, temperature: float,
-                  pad_id: int, eos_ids: set[int], max_new_tokens: int | None = None, process=None) -> dict[str, Any]:
+                  pad_id: int, eos_ids: set[int], max_new_tokens: int | None = None, process=None,
+                  seed: int | None = None) -> dict[str, Any]:
     """One timed generation; returns tokens per row, wall/ttft seconds, ssd_stats, peak RSS.
-    `process`: the run's kept DraftProcess, used by the process worker so its start-up is never timed."""
+    `process`: the run's kept DraftProcess, used by the process worker so its start-up is never timed. `seed`: the
+    torch seed before generating (default cfg.seed)."""
     import hf_ssd  # noqa: F401
     from transformers import StoppingCriteriaList
 
@@ -211,7 +213,7 @@ def generate_once(method: Method, target, draft, ids, mask, *, cfg: BenchConfig,
                 kw.update(ssd_target_threads=th["target"], ssd_draft_threads=th["draft"])
     if method.engine_compiled:  # static caches on both sides, fixed-width forwards compiled
         kw.update(ssd_compile=True, ssd_compile_target=True)
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed if seed is None else seed)
     try:
         with PeakRSS() as mem, torch.inference_mode():
             start = time.perf_counter()
@@ -355,7 +357,8 @@ NOTES = [
     "then the methods of a (setting, temperature, batch, prompt set) group are timed interleaved: for each of "
     "`repeats` passes and each prompt batch, every method runs once, back to back, in an order rotating with the "
     "pass, so the machine's drift hits them alike. tokens/s = median over the repeats, with min-max in *_stats "
-    "(JSON) and in brackets (Markdown).",
+    "(JSON) and in brackets (Markdown). Pass r seeds torch with seed + r for every method, so at T > 0 each pass "
+    "times a new sample of every prompt (before 2026-12-02 every pass drew the same sample).",
     "speedup_vs_* compare median decode tokens/s within the same setting, temperature, batch size and prompt set "
     "(_e2e: end-to-end). plain = eager plain generate(); best_plain = the faster of plain and plain:static-compile; "
     "sd = our synchronous SD at its best compile setting (the faster of sd and sd+compile); "
