@@ -42,6 +42,7 @@ def test_measured_acceptance_matches_the_position_by_position_reference(monkeypa
     """Two left-padded rows of different prompt lengths, one cut by an end-of-sequence token: the one-forward
     measurement equals the per-position reference over the tokens each row really generated."""
     monkeypatch.setattr(plain_acceptance, "TOP", VOCAB)  # every token's probability kept: the sum is exact
+    monkeypatch.setattr(plain_acceptance, "CHUNK", 3)  # the answer over several chunks of the draft's cache
     p = get_pair("llama")
     prompts = [prompt(5, seed=11)[0], prompt(8, seed=12)[0]]
     ids, mask = left_pad(prompts)
