@@ -367,7 +367,7 @@ class Controller:
     def plain_measurement(self, decision: Decision, horizon: Horizon) -> Plan | None:
         """The drafting plan whose draft should measure α along the answer of a call that runs plain
         (control.plain_acceptance), or None: only where drafting is predicted within MEASURE_WITHIN of plain (so a
-        better α could change the choice) and one draft forward over the call's context and answer is predicted to
+        better α could change the choice) and the draft's pass over the call's context and answer is predicted to
         cost at most MEASURE_SHARE of the call's decoding. Never with a fixed α."""
         plain, drafting = next((p for p in decision.table if p.plan == decision.plan), None), decision.drafting
         if self.fixed_alpha is not None or plain is None or plain.plan.mode != "plain" or drafting is None:

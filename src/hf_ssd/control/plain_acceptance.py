@@ -90,8 +90,7 @@ def measure(draft: DraftModel, sequences: torch.Tensor, prompt_len: int, prompt_
         return None
     answer = sequences[:, prompt_len:]
     valid = _answer_mask(answer, eos_ids)
-    model = draft.kv.model
-    device = next(model.parameters()).device
+    model, device = draft.kv.model, draft.kv.device
     mask = torch.cat([prompt_mask.to(device), valid.to(device, prompt_mask.dtype)], dim=1)[:, :-1]
     positions = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
     ids = sequences[:, :-1].to(device)
@@ -116,8 +115,8 @@ def measure(draft: DraftModel, sequences: torch.Tensor, prompt_len: int, prompt_
     else:
         q = scores.softmax(dim=-1)
         p_top = torch.stack([v for v, _ in target.steps[:new]], dim=1).to(device)  # [B, new, TOP]
-        ids = torch.stack([i for _, i in target.steps[:new]], dim=1).to(device)
-        accept = torch.minimum(p_top, q.gather(-1, ids)).sum(dim=-1).clamp(max=1.0)
+        top_ids = torch.stack([i for _, i in target.steps[:new]], dim=1).to(device)
+        accept = torch.minimum(p_top, q.gather(-1, top_ids)).sum(dim=-1).clamp(max=1.0)
     valid = valid.to(device)
     accepted = float((accept * valid).sum())
     count = int(valid.sum())
