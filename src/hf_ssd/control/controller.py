@@ -30,7 +30,7 @@ SIMPLER_WITHIN = 0.97  # prefer the simpler plan when the fancier one is predict
 # Plain decoding observes no acceptance: chosen on the prior α (or on a few unlucky rounds), it would be chosen
 # forever. Until α rests on this many drafting rounds, a call that would start plain runs the best drafting plan
 # instead, if that is predicted within EXPLORE_WITHIN of plain; its rounds measure α, and a mid-call decision
-# switches to plain within a few rounds where drafting really is slower.
+# switches to plain where its rounds rule drafting out (SWITCH_OPTIMISM).
 EXPLORE_ROUNDS = 32
 EXPLORE_WITHIN = 0.80
 # A call that runs plain while drafting is predicted within MEASURE_WITHIN of it has its draft measure α along the
@@ -314,7 +314,7 @@ class Controller:
                 best = pred
         drafting = next((p for p in preds if p.plan.mode != "plain"), None)
         if current is None and best.plan.mode == "plain":
-            explore = self._exploration(preds, best)
+            explore = self._exploration(preds, best, drafting)
             if explore is not None:
                 return explore
         if current is not None and current.mode != "plain" and best.plan.mode == "plain":
@@ -351,15 +351,14 @@ class Controller:
                                  f"do not rule out ({hopeful.tokens_per_s:.2f} against plain's "
                                  f"{plain.call_tokens_per_s:.2f} tok/s)", preds[:6], drafting)
 
-    def _exploration(self, preds: list[Prediction], plain: Prediction) -> Decision | None:
-        """The best drafting plan instead of plain while α rests on too few rounds (EXPLORE_ROUNDS), if it is
-        predicted within EXPLORE_WITHIN of plain; None when α is known (measured, or fixed by the options)."""
+    def _exploration(self, preds: list[Prediction], plain: Prediction,
+                     best: Prediction | None) -> Decision | None:
+        """`best` (the fastest drafting plan) instead of plain while α rests on too few rounds (EXPLORE_ROUNDS), if
+        it is predicted within EXPLORE_WITHIN of plain; None when α is known (measured, or fixed by the options)."""
         if self.fixed_alpha is not None or self.memory.alpha_rounds >= EXPLORE_ROUNDS:
             return None
-        drafting = [p for p in preds if p.plan.mode != "plain"]
-        if not drafting or drafting[0].call_tokens_per_s < EXPLORE_WITHIN * plain.call_tokens_per_s:
+        if best is None or best.call_tokens_per_s < EXPLORE_WITHIN * plain.call_tokens_per_s:
             return None
-        best = drafting[0]
         reason = (f"exploring {best.plan.label}: alpha rests on {self.memory.alpha_rounds} drafting rounds (plain "
                   f"decoding measures none); {self._explain(plain, preds)}")
         return Decision(best.plan, reason, preds[:6], best)
