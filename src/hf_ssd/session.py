@@ -182,7 +182,7 @@ def run_session(
                 if measuring is not None:  # plain observes no α: the draft reads it off the answer afterwards
                     model = quantized_draft(draft, "int8" if measuring.int8 else None)
                     stats.plain_probe = PlainProbe(DraftModel(model, 0, vocab, draft_processors, greedy, 1.0, None),
-                                                   controller.memory, measuring.label)
+                                                   controller.memory, measuring.label, int8=measuring.int8)
                 return None, stats
             drafter = ControlledDrafter(controller, build, stats, first, disturbed=pool.starting,
                                         max_length=generation_config.max_length)

@@ -115,13 +115,45 @@ def test_a_calls_own_acceptance_moves_alpha_off_the_pooled_one():
     """α mid-call: this call's accepted drafts behind the setting's pooled α as their prior. A code answer accepted
     at 0.97 after chat answers at 0.7 is priced near 0.97 within a few rounds; a new call starts from the pool."""
     memory = Memory()
-    memory.accepted, memory.rejected = 700.0, 300.0  # many earlier calls at α = 0.7
+    memory.add_acceptance(700.0, 300.0, rounds=1000)  # many earlier calls at α = 0.7
     ctl = Controller(costs(), memory, 1, {})
     assert ctl.acceptance().alpha == pytest.approx(0.7, abs=0.01)
     for _ in range(10):  # ten rounds of K=3, every draft accepted
         ctl.observe_acceptance(3.0, 0.0)
     assert ctl.acceptance().alpha > 0.9
     assert Controller(costs(), memory, 1, {}).acceptance().alpha == pytest.approx(0.7, abs=0.02)  # the next call
+
+
+def test_alpha_is_kept_per_draft_precision():
+    """The int8 draft's rounds measure the int8 draft: the default pair's accepts ~0.1 less than its fp32 weights at
+    T = 0.7. A precision not yet run is priced at the α of the one that ran; once both ran, each has its own, and a
+    call's rounds move only their own precision's α."""
+    memory = Memory()
+    memory.add_acceptance(550.0, 450.0, rounds=1000, int8=True)  # the int8 draft at α = 0.55
+    assert memory.alpha(0.7, int8=False) == pytest.approx(0.55, abs=0.01)  # fp32 not run: priced as int8
+    memory.add_acceptance(80.0, 20.0, rounds=100, int8=False)  # fp32 at α = 0.8 over 100 rounds
+    assert memory.alpha(0.7, int8=False) == pytest.approx(0.8, abs=0.025)
+    assert memory.alpha(0.7, int8=True) == pytest.approx(0.55, abs=0.01)
+    assert (memory.accepted, memory.rejected) == (630.0, 470.0)
+    ctl = Controller(costs(), memory, 1, {})
+    for _ in range(10):
+        ctl.observe_acceptance(3.0, 0.0, int8=True)
+    assert ctl.acceptance(True).alpha > 0.8
+    assert ctl.acceptance(False).alpha == pytest.approx(memory.alpha(0.7, int8=False))
+    plan = Plan("sync", 3)
+    assert ctl.model(plan).tokens_per_round < ctl.model(Plan("sync", 3, int8=True)).tokens_per_round
+
+
+def test_a_low_int8_alpha_sends_the_controller_back_to_the_full_precision_draft():
+    """An int8 draft with rounds 3x cheaper wins on the shared α; measured at a far lower α than the fp32 draft's,
+    the fp32 plans win: pooled together, the int8 rounds made every drafting plan look worse than plain."""
+    c = costs(verify=(0.10, 0.002), draft=(0.03, 0.0005), int8=(0.01, 0.0002))
+    memory = Memory()
+    memory.add_acceptance(85.0, 15.0, rounds=100)  # fp32 at α = 0.85
+    assert Controller(c, memory, 1, {"mode": ("sync",)}).decide().plan.int8
+    memory.add_acceptance(200.0, 800.0, rounds=1000, int8=True)  # int8 at α = 0.2
+    chosen = Controller(c, memory, 1, {}).decide().plan
+    assert chosen.mode != "plain" and not chosen.int8
 
 
 def test_rows_that_finished_count_as_committing_nothing():
@@ -136,7 +168,7 @@ def test_rows_that_finished_count_as_committing_nothing():
     verifies, committed = [], []
     controller = SimpleNamespace(batch=4, record_verify=lambda p, s: verifies.append(s),
                                  record_tokens=lambda p, tokens: committed.append(tokens),
-                                 observe_acceptance=lambda accepted, rejected: None)
+                                 observe_acceptance=lambda accepted, rejected, int8: None)
     fake = SimpleNamespace(memory=memory, controller=controller,
                            plan=Plan("sync", 2),
                            last_start=0.0, disturbed=lambda: False,
@@ -484,14 +516,15 @@ def test_rows_the_ngram_backup_served_leave_alpha_alone():
 
     observed = []
     controller = SimpleNamespace(batch=3, record_verify=lambda p, s: None, record_tokens=lambda p, tokens: None,
-                                 observe_acceptance=lambda accepted, rejected: observed.append((accepted, rejected)))
+                                 observe_acceptance=lambda accepted, rejected, int8: observed.append(
+                                     (accepted, rejected, int8)))
     source = torch.tensor([SOURCE_CACHE, SOURCE_JIT, SOURCE_NGRAM])
-    fake = SimpleNamespace(memory=Memory(), controller=controller, plan=Plan("ssd", 3, 8, "thread"),
+    fake = SimpleNamespace(memory=Memory(), controller=controller, plan=Plan("ssd", 3, 8, "thread", int8=True),
                            last_start=None, disturbed=lambda: False,
                            spec=Speculation(torch.zeros(3, 3, dtype=torch.long), torch.tensor([3, 3, 3]), None, source))
     verdict = Verdict(Outcome(torch.tensor([3, 1, 0]), torch.tensor([5, 6, 7])), torch.tensor([True] * 3), [], [], 0.0)
     ControlledDrafter._observe(fake, verdict, 0.05)
-    assert observed == [(4.0, 1.0)]  # rows 0 and 1: 3 + 1 accepted, one rejection
+    assert observed == [(4.0, 1.0, True)]  # rows 0 and 1: 3 + 1 accepted, one rejection, of the int8 draft
 
 
 def test_measured_tokens_per_round_scale_the_models():
@@ -588,7 +621,7 @@ def test_a_decisions_shared_work_gives_the_plans_own_predictions():
     ctl = Controller(c, Memory(), 1, {})
     sync, ssd = Plan("sync", 3), Plan("ssd", 3, 8, "thread", threads=(1, 1))
     ctl.memory.record_round(sync, 0.5 * ctl.model(sync).round_s, tokens=4.0, count=8)  # sync runs twice as fast
-    ctl.memory.accepted, ctl.memory.rejected = 90.0, 10.0
+    ctl.memory.add_acceptance(90.0, 10.0, rounds=0)
     for _ in range(2):  # and again after more measurements
         table = ctl.decide().table
         assert len(table) > 1

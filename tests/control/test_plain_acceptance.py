@@ -122,15 +122,17 @@ def test_a_close_plain_choice_asks_for_a_measurement():
     assert far.plan == Plan("plain") and useless.plain_measurement(far, horizon) is None
 
 
-@pytest.mark.parametrize("do_sample", [False, True])
-def test_a_plain_call_measures_alpha_and_its_output_stays_plains(monkeypatch, do_sample):
+@pytest.mark.parametrize("do_sample,int8", [(False, False), (True, True)])
+def test_a_plain_call_measures_alpha_and_its_output_stays_plains(monkeypatch, do_sample, int8):
     """End to end: the controller picks plain on a close call, transformers' loop makes exactly plain generate()'s
-    output (same seed, same samples), and the draft's acceptance along it moves the controller's α."""
+    output (same seed, same samples), and the draft's acceptance along it moves the controller's α: the α of the
+    draft's precision the best drafting plan runs (int8: an int8 line cheap enough to make its plans the best)."""
     from hf_ssd import session
 
     memory = Memory()
     monkeypatch.setattr(session, "memory_for", lambda key: memory)
-    monkeypatch.setattr(session, "measure_costs", lambda *a, **k: costs(draft=(0.08, 0.0005), split=2.0))
+    line = (0.07, 0.0005) if int8 else None
+    monkeypatch.setattr(session, "measure_costs", lambda *a, **k: costs(draft=(0.08, 0.0005), split=2.0, int8=line))
     memory.add_acceptance(70.0, 30.0, rounds=100)
     p = get_pair("llama")
     ids = prompt(7, seed=21)
@@ -146,3 +148,5 @@ def test_a_plain_call_measures_alpha_and_its_output_stays_plains(monkeypatch, do
     assert out.ssd_stats["mode"] == "plain" and measured["positions"] == 24
     assert memory.accepted + memory.rejected == pytest.approx(100.0 + 24)
     assert memory.accepted == pytest.approx(70.0 + measured["alpha"] * 24, abs=0.02)
+    tally = memory.tallies[int8]
+    assert tally.accepted + tally.rejected == pytest.approx(24 + (0 if int8 else 100))

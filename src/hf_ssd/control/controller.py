@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from hf_ssd.control.compiled import COMPILE_PRIOR_S, compile_share, graph_seconds, plan_graphs
 from hf_ssd.control.costs import Costs
-from hf_ssd.control.memory import Memory
+from hf_ssd.control.memory import Memory, Tally
 from hf_ssd.control.plan import MAX_K, Acceptance, Plan, Prediction, candidates, predict, verify_s
 from hf_ssd.runtime import static_registry
 
@@ -94,7 +94,7 @@ class Controller:
         self.plans = plans
         if not self.plans:
             raise ValueError(f"no decoding plan satisfies the given options {allowed}")
-        self.call_accepted = self.call_rejected = 0.0  # this call's acceptance (a controller serves one call)
+        self.call: dict[bool, Tally] = {}  # this call's acceptance per draft precision (a controller serves one call)
         self.optimism = 0.0  # posterior deviations added to α (acceptance): only while pricing a switch to plain
         # A decision predicts every plan (about 200), and each prediction calibrates against every plan that ran:
         # uncached, a decision cost 14 ms on the project's CPU, more than a compiled round. Within one decision
@@ -118,31 +118,32 @@ class Controller:
         return "int8" not in a or p.int8 == a["int8"]
 
     # ---- what the controller believes -------------------------------------------------------------------------
-    def acceptance(self) -> Acceptance:
-        """α: this call's own accepted and rejected drafts, behind the setting's pooled α (all calls so far) as
-        their prior. Prompts differ: the default pair accepts a code answer at α ≈ 0.97 and a chat answer at 0.7,
-        and mid-call every plan must be priced at this call's α (priced at the pooled α, a call running K=3 on a code
-        answer saw no gain in K=8)."""
+    def acceptance(self, int8: bool = False) -> Acceptance:
+        """α of the draft at precision `int8`: this call's own accepted and rejected drafts, behind the setting's
+        pooled α (all calls so far) as their prior. Prompts differ: the default pair accepts a code answer at
+        α ≈ 0.97 and a chat answer at 0.7, and mid-call every plan must be priced at this call's α (priced at the
+        pooled α, a call running K=3 on a code answer saw no gain in K=8)."""
         if self.fixed_alpha is not None:
             alpha = self.fixed_alpha
         else:
-            pooled = self.memory.alpha(self.prior.alpha)
-            weight = self.call_accepted + self.call_rejected + CALL_ALPHA_WEIGHT
-            alpha = (self.call_accepted + pooled * CALL_ALPHA_WEIGHT) / weight
+            call = self.call.get(int8, Tally())
+            alpha = call.posterior(self.memory.alpha(self.prior.alpha, int8), CALL_ALPHA_WEIGHT)
+            weight = call.accepted + call.rejected + CALL_ALPHA_WEIGHT
             # the optimistic end of what the call's rounds leave open (the Beta posterior's deviations)
             alpha = min(1.0, alpha + self.optimism * math.sqrt(alpha * (1.0 - alpha) / (weight + 1.0)))
         return Acceptance(alpha=alpha, alpha_backup=None, r=self.prior.r, top1_miss=self.prior.top1_miss)
 
-    def observe_acceptance(self, accepted: float, rejected: float) -> None:
-        """A round's accepted drafts and rejections (rows that did not accept all they had), summed over rows."""
+    def observe_acceptance(self, accepted: float, rejected: float, int8: bool = False) -> None:
+        """A round's accepted drafts and rejections (rows that did not accept all they had), summed over rows, of
+        the draft at precision `int8`."""
         # a round that drafted counts towards exploring (plain steps in our loop observe nothing)
-        self.memory.add_acceptance(accepted, rejected, rounds=int(accepted + rejected > 0))
-        self.call_accepted += accepted
-        self.call_rejected += rejected
+        self.memory.add_acceptance(accepted, rejected, rounds=int(accepted + rejected > 0), int8=int8)
+        self.call.setdefault(int8, Tally()).add(accepted, rejected)
 
     def model(self, plan: Plan) -> Prediction:
         """The cost model's prediction, before any calibration (a fresh copy: callers adjust it)."""
-        pred = self._shared(("model", plan), lambda: predict(plan, self.costs, self.acceptance(), self.batch))
+        pred = self._shared(("model", plan),
+                            lambda: predict(plan, self.costs, self.acceptance(plan.int8), self.batch))
         return replace(pred, parts=dict(pred.parts))
 
     def calibration(self, mode: str, max_age: int | None = None) -> float:
@@ -341,15 +342,16 @@ class Controller:
         self._memo, self.optimism = {}, SWITCH_OPTIMISM
         try:
             hopeful = self.predict(current, in_loop=True)
-            alpha = self.acceptance().alpha
+            alpha = self.acceptance(current.int8).alpha
         finally:
             self._memo, self.optimism = None, 0.0
         if plain.call_tokens_per_s >= hopeful.tokens_per_s * SWITCH_GAIN:
             return None
-        return Decision(current, f"keeping {current.label}: plain is predicted faster at the call's "
-                                 f"alpha={self.acceptance().alpha:.2f}, but not at alpha={alpha:.2f}, which its rounds "
-                                 f"do not rule out ({hopeful.tokens_per_s:.2f} against plain's "
-                                 f"{plain.call_tokens_per_s:.2f} tok/s)", preds[:6], drafting)
+        now = self.acceptance(current.int8).alpha
+        return Decision(current, f"keeping {current.label}: plain is predicted faster at the call's alpha={now:.2f}, "
+                                 f"but not at alpha={alpha:.2f}, which its rounds do not rule out "
+                                 f"({hopeful.tokens_per_s:.2f} against plain's {plain.call_tokens_per_s:.2f} tok/s)",
+                        preds[:6], drafting)
 
     def _exploration(self, preds: list[Prediction], plain: Prediction,
                      best: Prediction | None) -> Decision | None:
@@ -394,7 +396,7 @@ class Controller:
         return best if best.tokens_per_s >= now.tokens_per_s * SWITCH_GAIN else None
 
     def _explain(self, best: Prediction, preds: list[Prediction]) -> str:
-        acc = self.acceptance()
+        acc = self.acceptance(best.plan.int8)
         runner_up = {m: next((p for p in preds if p.plan.mode == m), None) for m in ("plain", "sync", "ssd")}
         bits = [f"{best.plan.label}: predicted {best.tokens_per_s:.2f} tok/s{_with_startup(best)} at "
                 f"alpha={acc.alpha:.2f}"]

@@ -130,7 +130,8 @@ class ControlledDrafter(Drafter):
         # α is the draft model's: rows the n-gram backup served after a cache miss accept far less (their shortfall
         # is the SSD mode's yield), and counted in α they made every drafting plan look worse than plain
         primary = drafted if self.spec.source is None else drafted & (self.spec.source.cpu() != SOURCE_NGRAM)
-        self.controller.observe_acceptance(float(k[primary].sum()), float((k[primary] < n[primary]).sum()))
+        self.controller.observe_acceptance(float(k[primary].sum()), float((k[primary] < n[primary]).sum()),
+                                           int8=self.plan.int8)
         # Plain steps inside our round loop (a switch to plain mid-generation) are not the plain the controller
         # prices: a call that starts with plain runs transformers' own loop, measured there (record_plain), about
         # 1.6x faster per step at batch 16 on the overhead workload. Mixed in, they made plain look slow for good.

@@ -99,11 +99,31 @@ class CallLength:
 
 
 @dataclass
+class Tally:
+    """Accepted drafts and rejections (rounds where a row did not accept every draft it had), summed over rows."""
+
+    accepted: float = 0.0
+    rejected: float = 0.0
+
+    def add(self, accepted: float, rejected: float) -> None:
+        self.accepted += accepted
+        self.rejected += rejected
+
+    def posterior(self, prior: float, weight: float) -> float:
+        """α's posterior mean, with `prior` worth `weight` pseudo-observations."""
+        return (self.accepted + prior * weight) / (self.accepted + self.rejected + weight)
+
+
+PRIOR_WEIGHT = 8.0  # pseudo-observations of α's prior
+
+
+@dataclass
 class Memory:
     """What the controller knows about one (pair, device, batch, sampling) setting."""
 
-    accepted: float = 0.0  # accepted drafts, summed over rows and rounds (for α)
-    rejected: float = 0.0  # rejections (rounds where a row did not accept every draft it had)
+    # α per draft precision (key: the plan's int8): the default pair's int8 draft accepts ~0.1 less than its fp32
+    # weights at T = 0.7, and pooled together, the int8 plans' rounds priced the fp32 draft too low
+    tallies: dict[bool, Tally] = field(default_factory=dict)
     alpha_rounds: int = 0  # drafting rounds that informed α: how much α rests on measurement, not the prior
     hits: float = 0.0
     lookups: float = 0.0
@@ -130,19 +150,29 @@ class Memory:
         ema.add(seconds, count=count)
         ema.at = self.clock
 
-    def add_acceptance(self, accepted: float, rejected: float, rounds: int = 1) -> None:
-        """Accepted drafts and rejections observed over `rounds` drafting rounds (or their equivalent)."""
-        self.accepted += accepted
-        self.rejected += rejected
+    def add_acceptance(self, accepted: float, rejected: float, rounds: int = 1, int8: bool = False) -> None:
+        """Accepted drafts and rejections observed over `rounds` drafting rounds (or their equivalent), of the draft
+        in full precision or quantized to int8 (`int8`)."""
+        self.tallies.setdefault(int8, Tally()).add(accepted, rejected)
         self.alpha_rounds += rounds
+
+    @property
+    def accepted(self) -> float:
+        return sum(t.accepted for t in self.tallies.values())
+
+    @property
+    def rejected(self) -> float:
+        return sum(t.rejected for t in self.tallies.values())
 
     def age(self, plan: Plan) -> int:
         """Rounds recorded since `plan`'s round time was last measured."""
         return self.clock - self.round_s[plan].at
 
-    def alpha(self, prior: float) -> float:
-        weight = 8.0  # pseudo-observations of the prior
-        return (self.accepted + prior * weight) / (self.accepted + self.rejected + weight)
+    def alpha(self, prior: float, int8: bool = False) -> float:
+        """The draft's α at precision `int8`: its own rounds, behind the other precision's α as their prior (behind
+        `prior`), so a precision not yet run is priced as the one that ran, and its own rounds take over."""
+        other = self.tallies.get(not int8, Tally()).posterior(prior, PRIOR_WEIGHT)
+        return self.tallies.get(int8, Tally()).posterior(other, PRIOR_WEIGHT)
 
 
 _MEMORY: dict[tuple, Memory] = {}

@@ -60,8 +60,9 @@ class PlainProbe:
     """Measures α along one plain call's answer for the controller's memory: `processors()` go last in plain
     decoding's processor list, `finish()` runs after it."""
 
-    def __init__(self, draft: DraftModel, memory: Memory, label: str):
-        self.draft, self.memory, self.label = draft, memory, label
+    def __init__(self, draft: DraftModel, memory: Memory, label: str, int8: bool = False):
+        """draft: the draft at the precision the measurement is for (`int8`: quantized), as the plan `label` runs it."""
+        self.draft, self.memory, self.label, self.int8 = draft, memory, label, int8
         self.target = None if draft.greedy else TargetTopProbs()
 
     def processors(self) -> list[LogitsProcessor]:
@@ -73,7 +74,7 @@ class PlainProbe:
         got = measure(self.draft, sequences, prompt_len, prompt_mask, eos_ids, self.target)
         if got is None:
             return None
-        self.memory.add_acceptance(got.accepted, got.rejected, rounds=max(1, round(got.rejected)))
+        self.memory.add_acceptance(got.accepted, got.rejected, rounds=max(1, round(got.rejected)), int8=self.int8)
         return {"alpha": round(got.alpha, 3), "positions": got.positions, "seconds": round(got.seconds, 3),
                 "draft": self.label}
 
