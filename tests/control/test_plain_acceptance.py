@@ -39,7 +39,7 @@ def reference(target, draft, rows: list[torch.Tensor], prompt_lens: list[int], g
 
 @pytest.mark.parametrize("greedy", [True, False])
 def test_measured_acceptance_matches_the_position_by_position_reference(monkeypatch, greedy):
-    """Two left-padded rows of different prompt lengths, one cut by an end-of-sequence token: the one-forward
+    """Two left-padded rows of different prompt lengths, one cut by an end-of-sequence token: the chunked
     measurement equals the per-position reference over the tokens each row really generated."""
     monkeypatch.setattr(plain_acceptance, "TOP", VOCAB)  # every token's probability kept: the sum is exact
     monkeypatch.setattr(plain_acceptance, "CHUNK", 3)  # the answer over several chunks of the draft's cache
