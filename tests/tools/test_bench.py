@@ -49,6 +49,17 @@ def test_aggregate_arithmetic():
     assert plain["hit_rate"] is None and plain["tokens_per_s_decode"] == pytest.approx(6.0)
 
 
+def test_alpha_est_holds_when_runs_draft_different_K():
+    """The controller ran K = 2 in one call (all accepted) and K = 5 in another (1 accepted, then a rejection):
+    α = accepted / (accepted + rejections) = 25 / 30, whatever K the bench was told."""
+    def run(hist, rejected):
+        stats = {**_stats(10, hist, 0, 0, 0.1, 0.05, 0.0, 10), "rejected": rejected}
+        return {"tokens": [[1] * 10], "wall_s": 1.0, "ttft_s": 0.1, "peak_rss_bytes": 0, "ssd_stats": stats}
+
+    a = aggregate_runs([run({2: 10}, 0), run({1: 5}, 5)], batch=1)
+    assert a["alpha_est"] == pytest.approx(25 / 30)
+
+
 def test_speedups_and_greedy_equal():
     rows = [{"setting": "paper", "temperature": 0.0, "batch_size": 1, "method": m, "tokens_per_s_decode": v,
              "tokens_per_s_e2e": v / 2} for m, v in [("plain", 2.0), ("hf:a", 3.0), ("hf:b", 4.0), ("sd", 5.0),

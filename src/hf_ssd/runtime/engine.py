@@ -121,6 +121,7 @@ class Engine:
         Returns [B] bool: rows that finished."""
         B = len(active)
         k, bonus, drafts = outcome.accepted.tolist(), outcome.bonus.tolist(), spec.tokens.tolist()
+        n = spec.n.tolist()
         chunks = [drafts[i][: k[i]] + [bonus[i]] for i in range(B)]
         done = [False] * B
         emitted = [0] * B
@@ -149,6 +150,7 @@ class Engine:
             self.stats.accepted += acc
             self.stats.emitted += emitted[i]
             self.stats.accept_hist[k[i]] += 1
+            self.stats.rejected += int(k[i] < n[i])
             self.stats.per_row_accepted[r] += acc
             self.stats.per_row_rounds[r] += 1
         if self.streamer is not None:

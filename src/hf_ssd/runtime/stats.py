@@ -31,6 +31,7 @@ class SSDStats:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    rejected: int = 0  # row-rounds whose drafts were not all accepted (α = Σk / (Σk + rejected), whatever K was)
     emitted: int = 0
     target_forwards: int = 0
     draft_forwards: int = 0
@@ -117,6 +118,7 @@ class SSDStats:
             "rounds": self.rounds,
             "drafted": self.drafted,
             "accepted": self.accepted,
+            "rejected": self.rejected,
             "emitted": self.emitted,
             "mean_accepted": round(self.mean_accepted, 4),
             "mean_tokens_per_round": round(self.mean_tokens_per_round, 4),

@@ -59,6 +59,9 @@ def aggregate_runs(runs: list[dict[str, Any]], batch: int) -> dict[str, Any]:
             # from the acceptance histogram: a last round cut short by max_new_tokens still counts what was accepted
             "mean_accepted_hist": safe_div(sum(int(k) * v for s in stats for k, v in s["accept_hist"].items()),
                                            row_rounds),
+            # a drafted token's acceptance rate: every accepted draft, over those plus each round's first rejection;
+            # right whatever K each run used (the controller's plans change K between and within calls)
+            "alpha_est": _acceptance_rate(stats),
             "hit_rate": safe_div(sum(s["cache_hits"] for s in stats), lookups) if lookups else None,
             "rounds": rounds, "phase_means_s": phases,
             "overlap_fraction": sum(ov) / len(ov) if ov else None,
@@ -74,6 +77,7 @@ def aggregate_runs(runs: list[dict[str, Any]], batch: int) -> dict[str, Any]:
         out["fraction_of_round_limit"] = safe_div(out["tokens_per_s_decode"], limit)
     else:
         out.update({"mean_tokens_per_round": None, "mean_accepted_per_round": None, "mean_accepted_hist": None,
+                    "alpha_est": None,
                     "hit_rate": None,
                     "round_limit_tps": None, "fraction_of_round_limit": None, "phase_means_s": None,
                     "overlap_fraction": None})
@@ -134,3 +138,9 @@ def greedy_equal(outputs: list[list[int]], reference: list[list[int]]) -> tuple[
     """(all equal, number of rows that differ) between a method's per-row tokens and plain's."""
     diff = sum(1 for a, b in zip(outputs, reference) if a != b) + abs(len(outputs) - len(reference))
     return diff == 0, diff
+
+
+def _acceptance_rate(stats: list[dict[str, Any]]) -> float | None:
+    accepted = sum(int(k) * v for s in stats for k, v in s["accept_hist"].items())
+    rejected = sum(s.get("rejected", 0) for s in stats)
+    return safe_div(accepted, accepted + rejected) if accepted + rejected else None

@@ -16,7 +16,6 @@ from typing import Any
 from hf_ssd.hf.plain_hand_off import compiled_graphs
 from hf_ssd.testing import left_pad
 from hf_ssd.tools.bench.aggregate import aggregate_repeats, greedy_equal, safe_div
-from hf_ssd.tools.bench.simulate import _alpha_for
 
 
 def warmups(cfg, m) -> int:
@@ -165,8 +164,6 @@ def _row(setting, temp, b, ps, m, cfg, per_rep, eqs, warmup_s, graphs) -> dict[s
     agg = aggregate_repeats(per_rep, b)
     agg["greedy_equal"] = None if temp != 0 or any(e is None for e in eqs) else all(eqs)
     agg["greedy_equal_runs"] = None if agg["greedy_equal"] is None else f"{sum(eqs)}/{len(eqs)}"
-    acc = agg.get("mean_accepted_hist")  # α with Σ_{i=1..K} α^i = mean accepted drafts per round
-    agg["alpha_est"] = _alpha_for(min(acc + 1.0, cfg.K + 1.0), cfg.K) if acc is not None else None
     agg["warmup_s"] = warmup_s
     if m.compiled:  # > 0 would mean compilation was timed: say so rather than hide it
         agg["graphs_compiled_in_timed_runs"] = graphs

@@ -364,8 +364,8 @@ NOTES = [
     "sd = our synchronous SD at its best compile setting (the faster of sd and sd+compile); "
     "hf_best = the fastest transformers speculative method of that group (assisted-generation schedules and prompt "
     "lookup; batch 1 only).",
-    "alpha_est: per-token acceptance α whose capped-geometric mean Σ_{i=1..K} α^i equals the measured accepted "
-    "drafts per round (from the acceptance histogram; a property of the model pair, not of timing). Read it off "
+    "alpha_est: per-token acceptance α = accepted drafts / (accepted drafts + rounds with a rejected draft), the "
+    "capped-geometric estimate whatever K each round used (a property of the model pair, not of timing). Read it off "
     "the sd row: SSD rows also count rounds the engine's backup speculator (e.g. n-gram) served after a cache miss.",
     "fraction_of_round_limit = decode tokens/s / (batch x mean tokens per round / mean verify time).",
     "greedy_equal: per-row tokens identical to plain generate() in the same setting and batch (T=0 only).",
