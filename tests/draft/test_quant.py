@@ -11,6 +11,7 @@ def test_int8_copy_quantizes_each_output_channel_on_its_own():
     draft = get_pair("llama").related
     q8 = quantized_draft(draft, "int8")
     assert quantized_draft(draft, "int8") is q8 and unquantized(q8) == (draft, "int8")  # made once, kept
+    assert quantized_draft(q8, "int8") is q8  # not a copy of the copy
     linears = [m for m in q8.modules() if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)]
     assert linears and not any(type(m) is torch.nn.Linear for m in q8.modules())
     assert all(m.weight().qscheme() == torch.per_channel_affine for m in linears)

@@ -25,7 +25,7 @@ _SOURCES: "weakref.WeakKeyDictionary[torch.nn.Module, PreTrainedModel]" = weakre
 
 
 def quantized_draft(model: PreTrainedModel, mode: str | None) -> PreTrainedModel:
-    if mode is None:
+    if mode is None or model in _SOURCES:  # already an int8 copy (e.g. the bench's pre-quantized draft)
         return model
     if input_device(model).type != "cpu":
         raise ValueError("ssd_draft_quantize='int8' uses CPU int8 kernels; on a GPU use a bf16/fp16 draft instead.")
