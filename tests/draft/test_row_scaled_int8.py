@@ -4,15 +4,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_ssd.draft.quant import quantized_draft
+from hf_ssd.draft.quant import int8_copy, quantized_draft
 from hf_ssd.draft.row_scaled_int8 import RowScaledInt8Linear
 from hf_ssd.testing import get_pair
 
 
 def _dynamic_int8(lin: torch.nn.Linear) -> torch.nn.Module:
-    return torch.ao.quantization.quantize_dynamic(
-        torch.nn.Sequential(lin), {torch.nn.Linear: torch.ao.quantization.per_channel_dynamic_qconfig},
-        dtype=torch.qint8)[0]
+    """The draft copy's plain int8 Linear (without a config every Linear is row-scaled: take what it wraps)."""
+    return int8_copy(torch.nn.Sequential(lin))[0].inner
 
 
 @pytest.mark.parametrize("bias", [False, True])
