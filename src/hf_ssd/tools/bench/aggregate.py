@@ -53,15 +53,16 @@ def aggregate_runs(runs: list[dict[str, Any]], batch: int) -> dict[str, Any]:
                     num, den = num + v * w, den + w
             phases[key] = num / den if den else None
         ov = [s["overlap_fraction"] for s in stats if s.get("overlap_fraction") is not None]
+        accepted_drafts = sum(int(k) * v for s in stats for k, v in s["accept_hist"].items())
+        rejections = sum(s.get("rejected", 0) for s in stats)
         out.update({
             "mean_tokens_per_round": safe_div(emitted, row_rounds),
             "mean_accepted_per_round": safe_div(sum(s["accepted"] for s in stats), row_rounds),
             # from the acceptance histogram: a last round cut short by max_new_tokens still counts what was accepted
-            "mean_accepted_hist": safe_div(sum(int(k) * v for s in stats for k, v in s["accept_hist"].items()),
-                                           row_rounds),
+            "mean_accepted_hist": safe_div(accepted_drafts, row_rounds),
             # a drafted token's acceptance rate: every accepted draft, over those plus each round's first rejection;
             # right whatever K each run used (the controller's plans change K between and within calls)
-            "alpha_est": _acceptance_rate(stats),
+            "alpha_est": safe_div(accepted_drafts, accepted_drafts + rejections),
             "hit_rate": safe_div(sum(s["cache_hits"] for s in stats), lookups) if lookups else None,
             "rounds": rounds, "phase_means_s": phases,
             "overlap_fraction": sum(ov) / len(ov) if ov else None,
@@ -138,9 +139,3 @@ def greedy_equal(outputs: list[list[int]], reference: list[list[int]]) -> tuple[
     """(all equal, number of rows that differ) between a method's per-row tokens and plain's."""
     diff = sum(1 for a, b in zip(outputs, reference) if a != b) + abs(len(outputs) - len(reference))
     return diff == 0, diff
-
-
-def _acceptance_rate(stats: list[dict[str, Any]]) -> float | None:
-    accepted = sum(int(k) * v for s in stats for k, v in s["accept_hist"].items())
-    rejected = sum(s.get("rejected", 0) for s in stats)
-    return safe_div(accepted, accepted + rejected) if accepted + rejected else None
