@@ -20,11 +20,11 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, LogitsProcessor
+from transformers import LogitsProcessor
 
 from hf_ssd.control.memory import Memory
 from hf_ssd.draft.model import DraftModel
-from hf_ssd.runtime.kv import cache_argument, prefill_logits_argument
+from hf_ssd.runtime.kv import CachedModel
 
 TOP = 64  # target probabilities kept per step (sampling)
 CHUNK = 16  # answer tokens per draft forward (measure)
@@ -91,24 +91,19 @@ def measure(draft: DraftModel, sequences: torch.Tensor, prompt_len: int, prompt_
         return None
     answer = sequences[:, prompt_len:]
     valid = _answer_mask(answer, eos_ids)
-    model, device = draft.kv.model, draft.kv.device
-    mask = torch.cat([prompt_mask.to(device), valid.to(device, prompt_mask.dtype)], dim=1)[:, :-1]
-    positions = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+    device = draft.kv.device
+    fed = torch.cat([prompt_mask.to(device).bool(), valid.to(device)], dim=1)[:, :-1]
+    positions = (fed.long().cumsum(dim=-1) - 1).clamp(min=0)
     ids = sequences[:, :-1].to(device)
-    # The prompt (all but its last token) as one prefill, then the answer in chunks of CHUNK tokens, as drafting
-    # feeds it: an int8 draft quantizes each forward's activations with one scale, and a forward that holds the
-    # prompt's first tokens (whose activations are huge) accepted 0.35 where the same draft fed narrowly accepted
-    # 0.53 (the default pair at T = 0.7).
-    cache = DynamicCache()
-    step = {cache_argument(model): cache, "use_cache": True}
-    if prompt_len > 1:
-        model(input_ids=ids[:, :prompt_len - 1], attention_mask=mask[:, :prompt_len - 1],
-              position_ids=positions[:, :prompt_len - 1], **step, **prefill_logits_argument(model))
-    chunks = []
-    for start in range(prompt_len - 1, ids.shape[1], CHUNK):
-        end = min(start + CHUNK, ids.shape[1])
-        chunks.append(model(input_ids=ids[:, start:end], attention_mask=mask[:, :end],
-                            position_ids=positions[:, start:end], **step).logits.float())
+    # The prompt as drafting prefills it, then the answer in chunks of CHUNK tokens, as drafting feeds a few tokens
+    # per forward: an int8 draft quantizes most of its activations with one range per forward, and one forward over
+    # prompt and answer accepted 0.35 where the same draft fed narrowly accepted 0.53 (the default pair at T = 0.7,
+    # before the down projections were scaled per row).
+    draft.kv = CachedModel(draft.kv.model, ids.shape[0])  # a cache of its own: the probe's draft serves one measure
+    draft.prefill(ids[:, :prompt_len], fed[:, :prompt_len])
+    chunks = [draft.kv.forward(ids[:, start:start + CHUNK], positions[:, start:start + CHUNK],
+                               fed[:, start:start + CHUNK])
+              for start in range(prompt_len - 1, ids.shape[1], CHUNK)]
     scores = draft.scores(torch.cat(chunks, dim=1))  # [B, new, V]: warped as when drafting
     answer = answer.to(device)
     if target is None:
