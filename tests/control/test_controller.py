@@ -11,7 +11,7 @@ import torch
 
 from hf_ssd.control import drafter as drafter_mod
 from hf_ssd.control.controller import Controller
-from hf_ssd.control.memory import Ema, Memory
+from hf_ssd.control.memory import Ema, Memory, TailShare
 from hf_ssd.control.costs import Costs, Curve
 from hf_ssd.control.plan import Acceptance, Plan, candidates, predict
 from hf_ssd.testing import get_pair, left_pad, plain_generate, prompt
@@ -156,33 +156,78 @@ def test_a_low_int8_alpha_sends_the_controller_back_to_the_full_precision_draft(
     assert chosen.mode != "plain" and not chosen.int8
 
 
-def test_rows_that_finished_count_as_committing_nothing():
-    """A round of a batch-4 call in which two rows are left, each committing 3 tokens: 1.5 tokens per row of the
-    call. Counting live rows only (3) would price the batch's tail rounds as if every row were still drafting."""
+def test_only_rounds_of_the_whole_batch_price_a_plan():
+    """The engine drops the rows that finished, so a batch's tail rounds are rounds of a smaller, cheaper batch:
+    their time and tokens are not recorded (the plan is priced at the call's batch), their acceptance is. A round of
+    every row is recorded: its time, and its tokens per row of the call."""
     from types import SimpleNamespace
 
     from hf_ssd.control.drafter import ControlledDrafter
     from hf_ssd.core.types import Outcome, Speculation, Verdict
 
     memory = Memory()
-    verifies, committed = [], []
+    verifies, committed, observed = [], [], []
     controller = SimpleNamespace(batch=4, record_verify=lambda p, s: verifies.append(s),
                                  record_tokens=lambda p, tokens: committed.append(tokens),
-                                 observe_acceptance=lambda accepted, rejected, int8: None)
-    fake = SimpleNamespace(memory=memory, controller=controller,
-                           plan=Plan("sync", 2),
-                           last_start=0.0, disturbed=lambda: False,
-                           spec=Speculation(torch.zeros(2, 2, dtype=torch.long), torch.tensor([2, 2]), None, None))
-    verdict = Verdict(Outcome(torch.tensor([2, 2]), torch.tensor([5, 6])), torch.tensor([True, True]), [], [], 0.01)
-    ControlledDrafter._observe(fake, verdict, 0.05)
-    assert committed == [pytest.approx(1.5)]
+                                 observe_acceptance=lambda accepted, rejected, int8: observed.append(accepted))
+
+    def observe(accepted: list[int], plan: Plan, last_start: float, now: float) -> None:
+        rows = len(accepted)
+        fake = SimpleNamespace(memory=memory, controller=controller, plan=plan, last_start=last_start,
+                               disturbed=lambda: False,
+                               spec=Speculation(torch.zeros(rows, 2, dtype=torch.long), torch.full((rows,), 2), None,
+                                                None))
+        verdict = Verdict(Outcome(torch.tensor(accepted), torch.arange(rows)), torch.ones(rows, dtype=torch.bool),
+                          [], [], 0.01)
+        ControlledDrafter._observe(fake, verdict, now)
+
+    observe([2, 2], Plan("sync", 2), 0.0, 0.02)  # two of the four rows left, before any full round
+    assert observed == [4.0] and committed == [] and verifies == [] and memory.round_s == {}
+    assert memory.tail["sync"].spent == 0.0  # nothing to compare a tail round with yet
+    observe([2, 1, 0, 2], Plan("sync", 2), 0.0, 0.05)  # the whole batch
+    assert committed == [pytest.approx(9 / 4)] and verifies == [0.01]
     assert memory.round_s[Plan("sync", 2)].value == pytest.approx(0.05)
-    assert memory.generated == pytest.approx(1.5)
-    assert verifies == [0.01]
+    assert memory.generated == pytest.approx(9 / 4)
+    observe([2, 2], Plan("sync", 2), 0.0, 0.05)  # a tail round that cost a full one for half the rows
+    assert memory.round_s[Plan("sync", 2)].n == 1 and len(committed) == 1
+    assert memory.tail["sync"].share == pytest.approx((0.98 * 0.05 + 0.025) / (0.98 * 0.05 + 0.05))
     # plain steps in our round loop (after a switch) are not the transformers loop a plain call runs: not recorded
-    fake.plan, fake.last_start = Plan("plain"), 0.0
-    ControlledDrafter._observe(fake, verdict, 0.07)
+    observe([0, 0, 0, 0], Plan("plain"), 0.0, 0.07)
     assert Plan("plain") not in memory.round_s and memory.clock == 1 and verifies == [0.01]
+
+
+@pytest.mark.parametrize("regime", ["compute-bound", "launch-bound"])
+def test_a_batchs_tail_is_charged_only_where_it_costs_more_than_its_rows(regime):
+    """Rounds of a batch's tail (rows that finished are dropped): where a round costs in proportion to its rows
+    (compute-bound), the tail does a full batch's work per second and drafting plans keep their full-round price;
+    where a few rows cost nearly a full round (launch-bound), the plan's tokens are scaled by the share of its time
+    that did a full batch's work. Plain decoding (every row to the end) is never scaled."""
+    ctl = controller(costs(), alpha=0.8, batch=4)
+    plan = Plan("sync", 3)
+    ctl.memory.record_round(plan, 1.0, count=8)
+    tail = ctl.memory.tail.setdefault("sync", TailShare())
+    rounds = [(1.0, 1.0)] * 30 + [(rows / 4 if regime == "compute-bound" else 1.0, rows / 4)
+                                  for rows in (3, 2, 1, 1) for _ in range(10)]  # (seconds, share of the rows)
+    for seconds, rows_share in rounds:
+        tail.add(seconds, rows_share, 1.0)
+    share = ctl.tail_share(plan)
+    if regime == "compute-bound":
+        assert share == pytest.approx(1.0)
+    else:  # the rows' share of each round, the latest rounds weighing most
+        weights = [0.98 ** (len(rounds) - 1 - i) for i in range(len(rounds))]
+        assert share == pytest.approx(sum(w * r for w, (_, r) in zip(weights, rounds)) / sum(weights))
+        assert share < 0.6
+    assert ctl.predict(plan).tokens_per_round == pytest.approx(share * ctl.model(plan).tokens_per_round)
+    assert ctl.predict(Plan("ssd", 3, 8, "thread")).tokens_per_round == pytest.approx(
+        ctl.model(Plan("ssd", 3, 8, "thread")).tokens_per_round)  # a family that has not run: not scaled
+    assert ctl.predict(Plan("plain")).tokens_per_round == 4.0
+
+
+def test_a_stalled_tail_round_leaves_the_tail_share_alone():
+    tail = TailShare()
+    tail.add(1.0, 1.0, 1.0)
+    tail.add(50.0, 0.5, 1.0)  # a page fault in a tail round: not the plan's tail
+    assert tail.share == 1.0
 
 
 def test_round_times_shrug_off_one_off_stalls():
@@ -310,6 +355,7 @@ def test_changing_only_k_keeps_the_drafts_cache(monkeypatch, static):
     monkeypatch.setattr(DraftModel, "prefill", lambda self, *a, **kw: prefills.append(1) or real_prefill(self, *a, **kw))
     monkeypatch.setattr(ctl_mod.Controller, "decide", decide)
     monkeypatch.setattr(drafter_mod, "DECIDE_EVERY", 1)
+    monkeypatch.setattr(drafter_mod, "DECIDE_SHARE", 1e9)  # every round decides, however long deciding takes
     monkeypatch.setattr(drafter_mod, "CONFIRMATIONS", 1)
     pair = get_pair("llama")
     ids, mask = left_pad([prompt(7, seed=5)[0], prompt(3, seed=6)[0]])

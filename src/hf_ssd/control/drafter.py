@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from hf_ssd.control.controller import Controller, Decision, Horizon, retunable
-from hf_ssd.control.memory import Memory
+from hf_ssd.control.controller import Controller, Decision, Horizon, family, retunable
+from hf_ssd.control.memory import Memory, TailShare
 from hf_ssd.control.plan import Plan
 from hf_ssd.core.ranks import distributed, from_rank0
 from hf_ssd.core.types import SOURCE_NGRAM, DraftResult, Speculation, Verdict
@@ -118,15 +118,17 @@ class ControlledDrafter(Drafter):
 
     # ---- measuring ------------------------------------------------------------------------------------------------
     def _observe(self, verdict: Verdict, now: float) -> None:
-        """Acceptance from this round's outcome; the plan's round time from one resolve's start to the next's."""
+        """Acceptance from this round's outcome; the plan's round time from one resolve's start to the next's, and
+        its tokens per round, from rounds in which every row of the call was still decoding."""
         k = verdict.outcome.accepted.cpu()
         n = self.spec.n.cpu()
         drafted = n > 0
-        # tokens committed per row of the call's batch: the backup's weaker proposals after a miss are in here, and
-        # so are the last rounds of a batch, when the rows that finished commit nothing but the round still costs
-        # most of a full one
-        tokens = float((k + 1).sum()) / self.controller.batch
-        self.controller.record_tokens(self.plan, tokens)  # before observing: priced at the α it was drafted at
+        # The engine drops the rows that finished: a batch's last rounds decode fewer rows, and how much cheaper they
+        # are depends on the hardware (Memory.tail). A plan's round time and yield come from its full rounds.
+        full = k.numel() == self.controller.batch
+        tokens = float((k + 1).sum()) / self.controller.batch  # per row (the backup's weaker proposals included)
+        if full:
+            self.controller.record_tokens(self.plan, tokens)  # before observing: priced at the α it was drafted at
         # α is the draft model's: rows the n-gram backup served after a cache miss accept far less (their shortfall
         # is the SSD mode's yield), and counted in α they made every drafting plan look worse than plain
         primary = drafted if self.spec.source is None else drafted & (self.spec.source.cpu() != SOURCE_NGRAM)
@@ -136,10 +138,15 @@ class ControlledDrafter(Drafter):
         # prices: a call that starts with plain runs transformers' own loop, measured there (record_plain), about
         # 1.6x faster per step at batch 16 on the overhead workload. Mixed in, they made plain look slow for good.
         in_loop_plain = self.plan.mode == "plain"
-        if self.last_start is not None and not in_loop_plain and not self.disturbed():  # e.g. a process starting
-            self.memory.record_round(self.plan, now - self.last_start, tokens=tokens)
-            if verdict.verify_s > 0:
-                self.controller.record_verify(self.plan, verdict.verify_s)
+        # disturbed: something else takes the hardware now (a kept process starting), so the time is not the plan's
+        if self.last_start is not None and not in_loop_plain and not self.disturbed():
+            seconds, measured = now - self.last_start, self.memory.round_s.get(self.plan)
+            tail = self.memory.tail.setdefault(family(self.plan), TailShare())
+            tail.add(seconds, k.numel() / self.controller.batch, None if measured is None else measured.value)
+            if full:
+                self.memory.record_round(self.plan, seconds, tokens=tokens)
+                if verdict.verify_s > 0:
+                    self.controller.record_verify(self.plan, verdict.verify_s)
         self.last_start = now
 
     def _horizon(self, verdict: Verdict) -> Horizon | None:

@@ -70,6 +70,38 @@ class Yield:
         return self.committed / self.modelled if self.modelled > 0 else 1.0
 
 
+TAIL_DECAY = 0.98  # per round: the tail share follows the last ~50 rounds of a plan family
+
+
+class TailShare:
+    """The share of a drafting plan's time that does a full batch's work, over its rounds: 1 where the rounds of a
+    batch's tail (rows that reached their end are dropped, so fewer rows decode) cost in proportion to their rows,
+    less where such a round costs nearly a full one (launch-bound models, a GPU at small batch).
+
+    A plan is priced by its full rounds (`Memory.round_s`, tokens per row at the call's batch); its tail rounds
+    each add `rows/batch x` the full round's time as useful against what they took. Recorded as rounds like any
+    other, a compute-bound batch's tail (the default pair at batch 16 on one core: 2 rows take a fifth of a full
+    round) priced synchronous SD 2.6x faster than it ran, while on a launch-bound one the same tail costs nearly a
+    full round for a few rows' tokens, which only this share charges. Plain decoding (transformers' loop) keeps
+    every row to the end and has no tail of its own."""
+
+    def __init__(self):
+        self.useful = self.spent = 0.0
+
+    def add(self, seconds: float, rows_share: float, full_round_s: float | None) -> None:
+        """A round that took `seconds` with `rows_share` of the call's rows decoding; a full round counts as all
+        useful, a tail round as `rows_share x full_round_s` (skipped while there is no full round to compare)."""
+        if rows_share < 1.0 and (full_round_s is None or seconds > OUTLIER * full_round_s):  # or a one-off stall
+            return
+        useful = seconds if rows_share >= 1.0 else min(seconds, rows_share * full_round_s)
+        self.useful = TAIL_DECAY * self.useful + useful
+        self.spent = TAIL_DECAY * self.spent + seconds
+
+    @property
+    def share(self) -> float:
+        return self.useful / self.spent if self.spent > 0 else 1.0
+
+
 CALL_LENGTH_DECAY = 0.9  # per call: the expected length follows the last ~10 calls
 
 
@@ -130,6 +162,7 @@ class Memory:
     lookups: float = 0.0
     round_s: dict[Plan, Ema] = field(default_factory=dict)  # measured seconds per round, per plan that ran
     ssd_yield: Yield = field(default_factory=Yield)  # SSD's committed / modelled tokens per round
+    tail: dict[str, TailShare] = field(default_factory=dict)  # per plan family (controller.family)
     clock: int = 0  # rounds recorded so far, every plan together: how old a measurement is
     # measured / modelled seconds of a drafter's start (its prefill and first drafts): what a draft plan costs a
     # call before its first round
