@@ -223,6 +223,18 @@ def test_a_batchs_tail_is_charged_only_where_it_costs_more_than_its_rows(regime)
     assert ctl.predict(Plan("plain")).tokens_per_round == 4.0
 
 
+def test_plain_rows_that_ended_early_are_charged_too():
+    """transformers' loop keeps a row that ended (end-of-sequence) on padding until every row has: a plain call in
+    which a tenth of the row-steps made no token is priced at 0.9 of the model's tokens per step."""
+    from hf_ssd.control.memory import record_plain
+
+    ctl = controller(costs(), alpha=0.8, batch=4)
+    record_plain(ctl.memory, 0.1, 63, rows_share=0.9)
+    assert ctl.tail_share(Plan("plain")) == pytest.approx(0.9)
+    assert ctl.predict(Plan("plain")).tokens_per_round == pytest.approx(4 * 0.9)
+    assert ctl.tail_share(Plan("sync", 2)) == 1.0
+
+
 def test_a_stalled_tail_round_leaves_the_tail_share_alone():
     tail = TailShare()
     tail.add(1.0, 1.0, 1.0)
@@ -495,6 +507,18 @@ def test_plain_is_not_calibrated_by_compiled_plans_and_its_hand_off_is_measured(
                       pad_token_id=0)
     measured = memory.round_s[Plan("plain")]
     assert measured.n == 8 and 0 < measured.value < 5
+    assert memory.tail["plain"].share == 1.0  # its one row made a token at every step
+
+    # two rows, one ending early: the loop keeps it on padding, and the share of row-steps that made tokens says so
+    from hf_ssd.control.plain_acceptance import answer_mask
+
+    memory.tail.clear()
+    ids, mask = left_pad([prompt(5, seed=11)[0], prompt(8, seed=12)[0]])
+    eos = int(plain_generate(p.target, ids, attention_mask=mask, max_new_tokens=10)[0, ids.shape[1] + 2])
+    out = p.target.generate(ids, attention_mask=mask, assistant_model=p.related, ssd=True, max_new_tokens=10,
+                            do_sample=False, pad_token_id=0, eos_token_id=eos)
+    made = answer_mask(out[:, ids.shape[1]:], [eos]).float().mean().item()
+    assert made < 1.0 and memory.tail["plain"].share == pytest.approx(made)
 
 
 def test_a_compiled_target_calibrates_plain_too():

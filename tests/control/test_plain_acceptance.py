@@ -9,7 +9,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper
 from hf_ssd.control import plain_acceptance
 from hf_ssd.control.controller import Controller, Horizon
 from hf_ssd.control.memory import Memory
-from hf_ssd.control.plain_acceptance import PlainProbe, TargetTopProbs, _answer_mask, measure
+from hf_ssd.control.plain_acceptance import PlainProbe, TargetTopProbs, answer_mask, measure
 from hf_ssd.control.plan import Acceptance, Plan
 from hf_ssd.draft.model import DraftModel
 from hf_ssd.testing import VOCAB, get_pair, left_pad, plain_generate, prompt
@@ -60,7 +60,7 @@ def test_measured_acceptance_matches_the_position_by_position_reference(monkeypa
     draft = DraftModel(p.related, 0, VOCAB, warpers, greedy, 1.0, None)
     got = measure(draft, out, ids.shape[1], mask, [eos], None if greedy else kept)
 
-    valid = _answer_mask(out[:, ids.shape[1]:], [eos])
+    valid = answer_mask(out[:, ids.shape[1]:], [eos])
     rows = [torch.cat([pr, out[b, ids.shape[1]:][valid[b]]]) for b, pr in enumerate(prompts)]
     assert got.positions == int(valid.sum()) and valid[0].sum() <= 5
     want = reference(p.target, p.related, rows, [len(pr) for pr in prompts], greedy)
@@ -96,8 +96,8 @@ def test_kept_target_probabilities_bound_the_acceptance_from_below(monkeypatch):
 
 def test_answer_mask_stops_after_the_first_end_token():
     answer = torch.tensor([[5, 7, 2, 0, 0], [5, 5, 5, 5, 5], [2, 2, 9, 9, 9]])
-    assert _answer_mask(answer, [2]).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
-    assert _answer_mask(answer, []).all()
+    assert answer_mask(answer, [2]).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert answer_mask(answer, []).all()
 
 
 def close_call_controller(memory: Memory, **kw) -> Controller:

@@ -187,8 +187,8 @@ class Controller:
         return self.memory.ssd_yield.ratio if mode == "ssd" else 1.0
 
     def tail_share(self, plan: Plan) -> float:
-        """The share of a drafting plan's time that does its full batch's work (Memory.tail): its family's, 1 for a
-        family that has not run (like calibration, it never looks worse than the model before it has run)."""
+        """The share of a plan's time that does its full batch's work (Memory.tail): its family's, 1 for a family
+        that has not run (like calibration, it never looks worse than the model before it has run)."""
         tail = self.memory.tail.get(family(plan))
         return 1.0 if tail is None else tail.share
 
@@ -270,7 +270,8 @@ class Controller:
         else:
             pred.round_s *= self.calibration(family(plan))
         if plan.mode != "plain":  # at this call's α, measured or not: the text's difficulty is not the plan's
-            pred.tokens_per_round *= self.yield_calibration(plan.mode) * self.tail_share(plan)
+            pred.tokens_per_round *= self.yield_calibration(plan.mode)
+        pred.tokens_per_round *= self.tail_share(plan)
         if plan.mode == "ssd" and measured is not None and self.memory.lookups >= 20:
             pred.p_hit = self.memory.hits / self.memory.lookups  # for the record: the measured round includes misses
         return pred

@@ -74,16 +74,17 @@ TAIL_DECAY = 0.98  # per round: the tail share follows the last ~50 rounds of a 
 
 
 class TailShare:
-    """The share of a drafting plan's time that does a full batch's work, over its rounds: 1 where the rounds of a
-    batch's tail (rows that reached their end are dropped, so fewer rows decode) cost in proportion to their rows,
-    less where such a round costs nearly a full one (launch-bound models, a GPU at small batch).
+    """The share of a plan family's time that does a full batch's work: 1 where the rounds of a batch's tail (rows
+    that finished are dropped, so fewer rows decode) cost in proportion to their rows, less where they cost nearly a
+    full round for a few rows' tokens.
 
-    A plan is priced by its full rounds (`Memory.round_s`, tokens per row at the call's batch); its tail rounds
-    each add `rows/batch x` the full round's time as useful against what they took. Recorded as rounds like any
-    other, a compute-bound batch's tail (the default pair at batch 16 on one core: 2 rows take a fifth of a full
-    round) priced synchronous SD 2.6x faster than it ran, while on a launch-bound one the same tail costs nearly a
-    full round for a few rows' tokens, which only this share charges. Plain decoding (transformers' loop) keeps
-    every row to the end and has no tail of its own."""
+    A plan is priced by its full rounds (`Memory.round_s`, tokens per row at the call's batch); each tail round adds
+    `rows/batch x` the full round's time as useful, against what it took. The default pair on one core (sync K=2,
+    batch 8) took 1.83 s a round for 8 rows, 1.70 s for 6, 1.50 s for 3 and 0.62 s for 1: a tail costs nearly
+    full rounds, then a cheap last one. Recorded as ordinary rounds, those last rounds set the plan's round time (the
+    average follows the latest rounds, and every call ends on its tail): synchronous SD at batch 16 was predicted
+    34 tok/s and ran at 13. Plain decoding (transformers' loop) keeps every row to the end on padding: its share is
+    the rows' tokens over its row-steps (`record_plain`)."""
 
     def __init__(self):
         self.useful = self.spent = 0.0
@@ -216,8 +217,11 @@ def memory_for(key: tuple) -> Memory:
     return _MEMORY.setdefault(key, Memory())
 
 
-def record_plain(memory: Memory, step_s: float, steps: int) -> None:
+def record_plain(memory: Memory, step_s: float, steps: int, rows_share: float = 1.0) -> None:
     """A plain decoding run outside our round loop (transformers' own, after a hand-off) took `step_s` seconds per
-    decode step over `steps` steps: its measured round time, so a plain choice is checked like any other."""
+    decode step over `steps` steps: its measured round time, so a plain choice is checked like any other.
+    rows_share: the share of its row-steps that made tokens (transformers' loop keeps a row that ended, on padding,
+    until every row has: its tail costs full steps)."""
     if steps > 0:
         memory.record_round(Plan("plain"), step_s, count=min(steps, 8), rounds=steps)
+        memory.tail.setdefault("plain", TailShare()).add(step_s * steps, rows_share, step_s * steps)

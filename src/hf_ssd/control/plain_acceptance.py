@@ -90,7 +90,7 @@ def measure(draft: DraftModel, sequences: torch.Tensor, prompt_len: int, prompt_
     if new < 1 or (target is not None and len(target.steps) < new):
         return None
     answer = sequences[:, prompt_len:]
-    valid = _answer_mask(answer, eos_ids)
+    valid = answer_mask(answer, eos_ids)
     device = draft.kv.device
     fed = torch.cat([prompt_mask.to(device).bool(), valid.to(device)], dim=1)[:, :-1]
     positions = (fed.long().cumsum(dim=-1) - 1).clamp(min=0)
@@ -119,7 +119,7 @@ def measure(draft: DraftModel, sequences: torch.Tensor, prompt_len: int, prompt_
     return Measured(accepted, count - accepted, count, time.perf_counter() - began)
 
 
-def _answer_mask(answer: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
+def answer_mask(answer: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
     """1 for each row's generated tokens up to and including its first end-of-sequence token, 0 after (padding)."""
     if not eos_ids:
         return torch.ones_like(answer, dtype=torch.bool)

@@ -20,6 +20,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from hf_ssd.config import SSDConfig, config_from_kwargs
 from hf_ssd.control.compiled import record_plain_loop_compile
 from hf_ssd.control.memory import record_plain
+from hf_ssd.control.plain_acceptance import answer_mask
 from hf_ssd.hf.plain_hand_off import DecodeClock, compiled_graphs, use_static_cache
 from hf_ssd.workers import pool
 from hf_ssd.workers.process import DraftProcess
@@ -196,7 +197,9 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
             step_s = clock.seconds_per_step(end, sequences.shape[1] - input_ids.shape[1])
             # a run that compiled, or shared the CPU with a draft process's start-up, would price plain by that
             if step_s is not None and compiled_graphs() == graphs and not (busy or pool.starting()):
-                record_plain(stats.controller_memory, step_s, sequences.shape[1] - input_ids.shape[1] - 1)
+                answer = sequences[:, input_ids.shape[1]:]
+                made = float(answer_mask(answer, _eos_ids(generation_config)).float().mean())
+                record_plain(stats.controller_memory, step_s, answer.shape[1] - 1, rows_share=made)
             elif compiled_graphs() != graphs and clock.first is not None:  # transformers compiled its loop: what
                 record_plain_loop_compile(model, end - clock.first)  # that took (its decode steps are a rounding)
             if probe is not None:
@@ -246,12 +249,16 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
 def _measure_plain_alpha(probe, sequences, input_ids, mask, generation_config) -> dict:
     """α along the answer plain decoding just made, for the controller's next calls (control.plain_acceptance). It
     only reads the finished output: a failure is noted in ssd_stats and changes nothing else."""
-    eos = generation_config._eos_token_tensor
-    eos_ids = [] if eos is None else [int(t) for t in eos.reshape(-1)]
     try:
-        return probe.finish(sequences, input_ids.shape[1], mask, eos_ids) or {"skipped": "no answer tokens"}
+        return (probe.finish(sequences, input_ids.shape[1], mask, _eos_ids(generation_config))
+                or {"skipped": "no answer tokens"})
     except Exception as exc:  # noqa: BLE001 - measuring is optional; the answer is already made
         return {"failed": f"{type(exc).__name__}: {exc}"}
+
+
+def _eos_ids(generation_config) -> list[int]:
+    eos = generation_config._eos_token_tensor
+    return [] if eos is None else [int(t) for t in eos.reshape(-1)]
 
 
 def _rng_state(device: torch.device):
