@@ -266,6 +266,50 @@ def test_equal_predictions_prefer_the_smaller_tree():
     assert chosen.budget == min(p.budget for p in near) and chosen.budget < 64
 
 
+def test_a_bonus_that_is_always_the_first_guess_shrinks_the_tree():
+    """With the prior guessability (the bonus outside the draft's top F in 0.5/F of rounds) a wider tree buys hit
+    rate, so the controller picks a budget well above K + 1. Once SSD's rounds show the bonus is the first guess every
+    time (α = 1: the draft is the target's first layers), every budget hits alike and the narrowest tree wins."""
+    launch_bound = costs(verify=(0.010, 0.0002), draft=(0.005, 0.000001))
+    ctl = controller(launch_bound, alpha=1.0, allowed={"mode": ("ssd",), "K": (4,)})
+    assert ctl.decide().plan.budget > 6
+    ctl.memory.guessability.add([400] + [0] * 16)  # 400 bonus tokens, all of rank 0
+    assert ctl.acceptance().top1_miss < 0.1
+    assert ctl.decide().plan.budget == 6  # the smallest candidate budget that covers K + 1 = 5 outcomes
+
+
+def test_guessability_is_learned_from_the_ranks():
+    ctl = controller(costs(), alpha=0.7)
+    assert (ctl.acceptance().r, ctl.acceptance().top1_miss) == (1.0, 0.5)  # the prior
+    ctl.memory.guessability.add([200, 200] + [0] * 15)  # the bonus is the first or second guess: no slope to fit
+    acc = ctl.acceptance()
+    assert acc.r == pytest.approx(1.0) and acc.top1_miss == pytest.approx(0.5, abs=0.03)
+    flat = controller(costs(), alpha=0.7)
+    flat.memory.guessability.add([200] + [0] * 15 + [200])  # half outside every guess: more guesses do not help
+    assert flat.acceptance().r < 0.2
+
+
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_ssd_rounds_teach_the_controller_how_guessable_the_bonus_is(monkeypatch, worker):
+    """The ranks an SSD drafter counts (in this process or in its worker process) reach the controller's memory."""
+    from hf_ssd.control import memory as memory_mod
+
+    monkeypatch.setattr(memory_mod, "_MEMORY", {})
+    pair = get_pair("llama")
+    ids, mask = left_pad([prompt(7, seed=3)[0]])
+    ref = plain_generate(pair.target, ids, attention_mask=mask, max_new_tokens=24)
+    out = pair.target.generate(ids, attention_mask=mask, assistant_model=pair.related, ssd=True, max_new_tokens=24,
+                               do_sample=False, pad_token_id=0, ssd_mode="ssd", ssd_worker=worker,
+                               return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    (memory,) = memory_mod._MEMORY.values()
+    assert memory.guessability.fit is not None
+    # the rounds the draft proposed (not those after a miss, served by a backup), but the last, whose ranks would be
+    # read at the next round; slightly decayed (Guessability's window)
+    proposed = out.ssd_stats["rounds"] - 1 - sum(out.ssd_stats["backup_rounds"].values())
+    assert proposed >= 5 and memory.guessability.estimator.n >= 0.95 * proposed
+
+
 def test_small_gains_do_not_switch():
     ctl = controller(costs(), alpha=0.8)
     first = ctl.decide().plan

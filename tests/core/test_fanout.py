@@ -169,6 +169,30 @@ def test_miss_rate_estimator_unbiased_under_censoring():
     assert est.top1_miss == pytest.approx(c, abs=0.05)
 
 
+def test_miss_rate_estimator_learns_a_first_guess_that_never_misses():
+    # every bonus of rank 0: no miss rate to fit a slope to, but the top-1 miss rate itself is ~0, not the prior's 1
+    est = MissRateEstimator(prior_r=1.5)
+    for _ in range(400):
+        est.update(0)
+    r, c = est.fit()
+    assert r == pytest.approx(1.5) and c < 0.06
+
+
+def test_miss_rate_estimator_counts_equal_one_by_one_updates():
+    rng = np.random.default_rng(6)
+    ranks = power_law_ranks(rng, 1.0, 300)
+    one, many = MissRateEstimator(), MissRateEstimator()
+    for rank in ranks:
+        one.update(int(rank))
+    many.update_counts(np.bincount(np.minimum(ranks, 16), minlength=17).tolist())
+    assert many.n == one.n and many.fit() == pytest.approx(one.fit())
+    # with a window, a batch of N counts ages what came before by N observations
+    aged = MissRateEstimator(window=100.0)
+    aged.update_counts([10] + [0] * 16)
+    aged.update_counts([0] * 16 + [50])
+    assert aged.n == pytest.approx(10 * 0.99**50 + 50)
+
+
 def test_miss_rate_estimator_clamps():
     est = MissRateEstimator(prior_weight=0.0)
     for i in range(5000):

@@ -131,7 +131,9 @@ class Controller:
             weight = call.accepted + call.rejected + CALL_ALPHA_WEIGHT
             # the optimistic end of what the call's rounds leave open (the Beta posterior's deviations)
             alpha = min(1.0, alpha + self.optimism * math.sqrt(alpha * (1.0 - alpha) / (weight + 1.0)))
-        return Acceptance(alpha=alpha, alpha_backup=None, r=self.prior.r, top1_miss=self.prior.top1_miss)
+        fit = self.memory.guessability.fit
+        r, c = fit if fit is not None else (self.prior.r, self.prior.top1_miss)
+        return Acceptance(alpha=alpha, alpha_backup=None, r=r, top1_miss=c)
 
     def observe_acceptance(self, accepted: float, rejected: float, int8: bool = False) -> None:
         """A round's accepted drafts and rejections (rows that did not accept all they had), summed over rows, of

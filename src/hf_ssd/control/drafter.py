@@ -61,6 +61,7 @@ class ControlledDrafter(Drafter):
         self.decide_s = 0.0
         self.decided_at = 0  # self.rounds at the last decision
         self.pending: list[Plan] = []  # the other plans the latest decisions chose (CONFIRMATIONS)
+        self.ranks_seen: list[int] = []  # stats.bonus_ranks when last read (_learn_guessability)
 
     @property
     def kind(self) -> str:
@@ -94,6 +95,7 @@ class ControlledDrafter(Drafter):
     def resolve(self, verdict: Verdict) -> DraftResult:
         now = time.perf_counter()
         self._observe(verdict, now)
+        self._learn_guessability()
         self.rounds += 1
         # under torch.distributed every rank must decide in the same rounds (a decision is a collective): by round
         # count only, since the ranks' clocks differ
@@ -148,6 +150,19 @@ class ControlledDrafter(Drafter):
                 if verdict.verify_s > 0:
                     self.controller.record_verify(self.plan, verdict.verify_s)
         self.last_start = now
+
+    def _learn_guessability(self) -> None:
+        """The bonus ranks an SSD drafter counted since the last round (stats.bonus_ranks) go to the controller's
+        memory. The counts are a drafter's own: a kept process's begin again at each call, so counts that went down
+        are a new drafter's, taken whole."""
+        counts = list(self.stats.bonus_ranks)
+        seen = self.ranks_seen
+        if len(seen) != len(counts) or sum(counts) < sum(seen):
+            seen = [0] * len(counts)
+        self.ranks_seen = counts
+        new = [max(c - s, 0) for c, s in zip(counts, seen)]
+        if sum(new) > 0:
+            self.memory.guessability.add(new)
 
     def _horizon(self, verdict: Verdict) -> Horizon | None:
         """What is left of the call: a switch restarts the draft on the longest row's context."""

@@ -17,6 +17,7 @@ import numpy as np
 
 ALPHA_EPS = 1e-6
 R_MIN, R_MAX = 0.05, 5.0
+RANK_FMAX = 16  # bonus ranks are told apart up to here; a rank at or past it counts as "not in the first 16"
 
 
 def _clamp_alpha(alpha: float) -> float:
@@ -135,7 +136,7 @@ class MissRateEstimator:
     squares (weighted) of log miss(F) on log F over F = 1..fmax where at least `min_at_risk` observations remain, clamped to
     [R_MIN, R_MAX] and (0, 1], and shrunk towards the priors by prior_weight / (n + prior_weight)."""
 
-    def __init__(self, fmax: int = 16, prior_r: float = 1.0, prior_top1_miss: float = 1.0, prior_weight: float = 20.0,
+    def __init__(self, fmax: int = RANK_FMAX, prior_r: float = 1.0, prior_top1_miss: float = 1.0, prior_weight: float = 20.0,
                  min_at_risk: float = 10.0, window: float | None = None):
         if fmax < 2:
             raise ValueError("fmax must be >= 2 to fit a slope")
@@ -158,6 +159,15 @@ class MissRateEstimator:
         else:
             self._cens[self.fmax] += 1.0
 
+    def update_counts(self, counts: Sequence[float]) -> None:
+        """Many exact ranks at once: counts[j] bonus tokens of rank j (j < fmax), counts[fmax] of rank >= fmax."""
+        if len(counts) != self.fmax + 1:
+            raise ValueError(f"need {self.fmax + 1} counts (ranks 0..{self.fmax - 1}, then >= {self.fmax})")
+        self._exact *= self._decay ** float(sum(counts))
+        self._cens *= self._decay ** float(sum(counts))
+        self._exact += np.asarray(counts[:self.fmax], dtype=float)
+        self._cens[self.fmax] += float(counts[self.fmax])
+
     @property
     def n(self) -> float:
         return float(self._exact.sum() + self._cens[1:].sum())
@@ -172,13 +182,20 @@ class MissRateEstimator:
         """(r, c) after shrinkage towards the priors."""
         miss, at_risk = self.miss_rates()
         ok = (at_risk >= self.min_at_risk) & (miss > 0)
-        if ok.sum() < 2:
+        if ok.sum() >= 2:
+            x = np.log(np.arange(1, self.fmax + 1))[ok]
+            # weights ∝ sqrt(at risk): the tail points rest on few observations
+            slope, intercept = np.polyfit(x, np.log(miss[ok]), 1, w=np.sqrt(at_risk[ok]))
+            r = float(np.clip(-slope, R_MIN, R_MAX))
+            c = float(np.clip(math.exp(intercept), 1e-3, 1.0))
+        elif at_risk[0] >= self.min_at_risk:
+            # no slope to fit: the bonus was (nearly) always the top guess, or never below the second. The top-1
+            # miss rate alone still says c (half an observation keeps it off 0); r stays the prior's. Falling back
+            # to the prior here priced a draft whose every bonus was its first guess (α = 1) as missing half the
+            # time, and made large speculation caches look worth their cost.
+            r, c = self.prior_r, float(np.clip(max(miss[0], 0.5 / (at_risk[0] + 1.0)), 1e-3, 1.0))
+        else:
             return self.prior_r, self.prior_c
-        x = np.log(np.arange(1, self.fmax + 1))[ok]
-        # weights ∝ sqrt(at risk): the tail points rest on few observations
-        slope, intercept = np.polyfit(x, np.log(miss[ok]), 1, w=np.sqrt(at_risk[ok]))
-        r = float(np.clip(-slope, R_MIN, R_MAX))
-        c = float(np.clip(math.exp(intercept), 1e-3, 1.0))
         w = self.n / (self.n + self.prior_weight)
         return w * r + (1 - w) * self.prior_r, w * c + (1 - w) * self.prior_c
 
@@ -211,7 +228,7 @@ class FanoutPlanner:
     def __init__(self, budget: int, K: int, *, alpha: float | tuple[float, float] | None = None,
                  r: float | tuple[float, float] | None = None, fanout: Sequence[int] | None = None,
                  fanout_after_miss: Sequence[int] | None = None, prior_alpha: tuple[float, float] = (0.7, 0.4),
-                 window: float | None = None, fmax: int = 16):
+                 window: float | None = None, fmax: int = RANK_FMAX):
         if budget < 0 or K < 0:
             raise ValueError(f"need budget >= 0 and K >= 0, got {budget}, {K}")
         self.budget, self.K = budget, K

@@ -14,7 +14,7 @@ from hf_ssd.config import SSDConfig
 from hf_ssd.core.types import SOURCE_CACHE, SOURCE_NAMES, SOURCE_NGRAM, DraftResult, Forks, Outcome, Speculation, Verdict
 from hf_ssd.draft.model import DraftModel
 from hf_ssd.draft.protocol import Drafter
-from hf_ssd.core.fanout import FanoutPlanner
+from hf_ssd.core.fanout import RANK_FMAX, FanoutPlanner
 from hf_ssd.core.ngram import ngram_batch
 from hf_ssd.core.sampling import point_mass
 from hf_ssd.runtime.stats import SSDStats
@@ -193,6 +193,8 @@ class SaguaroDrafter(Drafter):
         table = torch.stack([k, n, rank, spec.source.to(device), hit.long()], dim=1).tolist()
         for kb, n_b, rank_b, source, hit_b in table:
             self.planner.observe(source != SOURCE_NGRAM, kb, n_b, bonus_rank=rank_b)
+            if source != SOURCE_NGRAM:
+                self.stats.bonus_ranks[min(rank_b, RANK_FMAX)] += 1
             self.backup.tokens[SOURCE_NAMES[source]].add(kb + 1)
             self.backup.p_hit.add(float(hit_b))
         self.backup.t_verify.add(verify_s)

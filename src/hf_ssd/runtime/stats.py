@@ -6,6 +6,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from hf_ssd.core.fanout import RANK_FMAX
+
 
 @dataclass
 class RoundRecord:
@@ -48,6 +50,9 @@ class SSDStats:
     budget: int | None = None
     alpha: float | None = None
     power_r: float | None = None
+    # the rank of each target bonus token among the draft's guesses, for the rows the draft proposed (not a backup's):
+    # [j] = how many had rank j, the last entry rank >= RANK_FMAX. What the controller learns the cache's hit rate from
+    bonus_ranks: list[int] = field(default_factory=lambda: [0] * (RANK_FMAX + 1))
     backup_threshold: int | None = None
     fallback_reason: str | None = None  # set when the draft side failed and the exact sync path took over
     controller: dict | None = None  # the controller's choice, reasons, predictions and switches (mode="auto")
