@@ -136,8 +136,8 @@ class MissRateEstimator:
     squares (weighted) of log miss(F) on log F over F = 1..fmax where at least `min_at_risk` observations remain, clamped to
     [R_MIN, R_MAX] and (0, 1], and shrunk towards the priors by prior_weight / (n + prior_weight)."""
 
-    def __init__(self, fmax: int = RANK_FMAX, prior_r: float = 1.0, prior_top1_miss: float = 1.0, prior_weight: float = 20.0,
-                 min_at_risk: float = 10.0, window: float | None = None):
+    def __init__(self, fmax: int = RANK_FMAX, prior_r: float = 1.0, prior_top1_miss: float = 1.0,
+                 prior_weight: float = 20.0, min_at_risk: float = 10.0, window: float | None = None):
         if fmax < 2:
             raise ValueError("fmax must be >= 2 to fit a slope")
         self.fmax, self.prior_r, self.prior_c = fmax, prior_r, prior_top1_miss
