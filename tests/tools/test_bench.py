@@ -305,6 +305,11 @@ def test_overhead_compiled_rows_and_controller_choice(tmp_path):
     auto = by["ssd:auto+compile"]
     assert auto["greedy_equal"] is True and auto["controller_choice"] and auto["controller_reason"]
     assert f"ssd:auto+compile (ran {auto['controller_choice']}" in (tmp_path / "table.md").read_text()
+    # each timed call of the auto row keeps its own record: the row keeps only the last call's choice
+    calls = [s["controller"] for s in report["samples"] if s["method"] == "ssd:auto+compile"]
+    assert calls and all(c["ended_on"] and c["first_reason"] and c["predicted"] for c in calls)
+    assert calls[-1]["ended_on"] == auto["controller_choice"]
+    assert all("controller" not in s for s in report["samples"] if s["method"] != "ssd:auto+compile")
 
 
 def test_failed_optional_method_is_reported(monkeypatch, tmp_path):

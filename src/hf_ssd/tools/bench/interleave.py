@@ -147,7 +147,7 @@ def _greedy_check(m, r, temp, rep, key, plain_out) -> bool | None:
 def _sample(setting, temp, b, ps, m, bi, rep, batch, r, eq) -> dict[str, Any]:
     cats = sorted({p["category"] for p in batch})
     n_new = sum(len(t) for t in r["tokens"])
-    return {
+    sample = {
         "setting": setting, "temperature": temp, "batch_size": b, "method": m.name, "batch_index": bi,
         "repeat": rep, "prompt_ids": [p["id"] for p in batch],
         "category": cats[0] if len(cats) == 1 else "mixed", "prompt_set": ps, "new_tokens": n_new,
@@ -157,6 +157,19 @@ def _sample(setting, temp, b, ps, m, bi, rep, batch, r, eq) -> dict[str, Any]:
         "mean_tokens_per_round": (r["ssd_stats"] or {}).get("mean_tokens_per_round"),
         "greedy_equal": eq, "threads": r["threads"],
     }
+    control = (r["ssd_stats"] or {}).get("controller")
+    if control:  # ssd:auto: this call's plans, and why it started on the first (the result row keeps only the last)
+        sample["controller"] = _call_record(control)
+    return sample
+
+
+def _call_record(control: dict[str, Any]) -> dict[str, Any]:
+    """One call's controller record, small enough to keep per sample: the plan it ended on, its first decision's
+    reason and top predictions, and its switches."""
+    return {"ended_on": control.get("choice"), "first_reason": control.get("reason"),
+            "predicted": (control.get("predicted") or [])[:3],
+            "switches": [f"round {sw.get('round')}: {sw.get('from')} -> {sw.get('to')}"
+                         for sw in control.get("switches") or []]}
 
 
 def _row(setting, temp, b, ps, m, cfg, per_rep, eqs, warmup_s, graphs) -> dict[str, Any]:

@@ -372,4 +372,7 @@ NOTES = [
     "paper setting: target on 1 thread in every method; parallel SSD workers add 1 draft thread. equal: every "
     "method may use both cores.",
     "peak_rss_mb: peak resident memory of the whole process while the method ran (both models included).",
+    "ssd:auto rows: controller_choice is the plan the last timed call ended on, controller_ended_on counts them over "
+    "every timed call; each sample's `controller` keeps that call's own record (the plan it ended on, its first "
+    "decision's reason and top 3 predictions, its switches).",
 ]
