@@ -43,6 +43,17 @@ CALL_ALPHA_WEIGHT = 8.0
 # A switch to plain mid-call is priced against the running plan at α this many posterior deviations above the call's
 # estimate (Controller._doubt): it lasts the rest of the call, so it waits for rounds that rule drafting out.
 SWITCH_OPTIMISM = 1.0
+# A plan's prediction before it ran is its family's calibrated model, and the model is off by tens of percent for
+# some shapes (a K=2 tree on a process, predicted 1% above the measured sync SD, ran at 0.63x of it). At the start
+# of a call an untried plan of a family that has run must be predicted UNTRIED_GAIN over the measured plans to be
+# chosen: it is measured once it runs, but that call pays for the model's error.
+UNTRIED_GAIN = 1.05
+# A drafting family (sync, SSD on a thread, SSD on a process) that has never run is priced by the model and the
+# other families' calibration, which misses what is its own: a compiled sync draft's single-row steps are faster
+# than the eager cost lines by more than an SSD tree is. Once the chosen plan's family has run, a drafting family
+# predicted within FAMILY_EXPLORE_WITHIN of it runs one call (its rounds then price it): unexplored, compiled sync
+# SD was priced at 182 tok/s, never ran, and ran at 215 where the chosen SSD plan ran at 173.
+FAMILY_EXPLORE_WITHIN = 0.85
 COMPLEXITY = {"plain": 0, "sync": 1, "ssd": 2}
 
 
@@ -314,17 +325,22 @@ class Controller:
                     pred.startup_s = restart + compiling
                     if compiling > 0:
                         pred.parts = {**pred.parts, "compile": compiling}
-        preds.sort(key=lambda x: -x.call_tokens_per_s)
+        score = self._untried_penalty if current is None else (lambda pred: pred.call_tokens_per_s)
+        preds.sort(key=lambda x: -score(x))
         best = preds[0]
         # Among plans within 3% of the fastest, take the simplest (plain, sync, ssd; then the smallest tree): less
         # that can go wrong and less work for the same predicted speed.
-        fastest = best.call_tokens_per_s
+        fastest = score(best)
         for pred in preds:
-            if pred.call_tokens_per_s >= fastest * SIMPLER_WITHIN and simpler(pred.plan, best.plan):
+            if score(pred) >= fastest * SIMPLER_WITHIN and simpler(pred.plan, best.plan):
                 best = pred
         drafting = next((p for p in preds if p.plan.mode != "plain"), None)
         if current is None and best.plan.mode == "plain":
             explore = self._exploration(preds, best, drafting)
+            if explore is not None:
+                return explore
+        if current is None:
+            explore = self._family_exploration(preds, best)
             if explore is not None:
                 return explore
         if current is not None and current.mode != "plain" and best.plan.mode == "plain":
@@ -338,6 +354,40 @@ class Controller:
                                          f"{best.call_tokens_per_s / max(now.call_tokens_per_s, 1e-9):.2f}x, under "
                                          f"the {SWITCH_GAIN:.2f}x needed to switch", preds[:6], drafting)
         return Decision(best.plan, self._explain(best, preds), preds[:6], drafting)
+
+    def measured(self, plan: Plan) -> bool:
+        ema = self.memory.round_s.get(plan)
+        return ema is not None and ema.n >= MIN_ROUNDS
+
+    def family_ran(self, fam: str) -> bool:
+        return any(self.measured(p) and family(p) == fam for p in self.memory.round_s)
+
+    def _untried_penalty(self, pred: Prediction) -> float:
+        """The speed a call-start decision ranks `pred` by: its prediction, over UNTRIED_GAIN where the plan has not
+        run but its family has (its siblings' measurements are the better evidence)."""
+        if self.measured(pred.plan) or not self.family_ran(family(pred.plan)):
+            return pred.call_tokens_per_s
+        return pred.call_tokens_per_s / UNTRIED_GAIN
+
+    def _family_exploration(self, preds: list[Prediction], best: Prediction) -> Decision | None:
+        """The best plan of a drafting family that has never run, where it is predicted within
+        FAMILY_EXPLORE_WITHIN of `best` and best's own family has run (the first call runs the best prediction;
+        the next ones measure the families it left out, one call each)."""
+        if best.plan.mode == "plain" and not self.measured(best.plan):
+            return None
+        if best.plan.mode != "plain" and not self.family_ran(family(best.plan)):
+            return None
+        for pred in preds:  # fastest first
+            fam = family(pred.plan)
+            if pred.plan.mode == "plain" or fam == family(best.plan) or self.family_ran(fam):
+                continue
+            if pred.call_tokens_per_s < FAMILY_EXPLORE_WITHIN * best.call_tokens_per_s:
+                return None
+            reason = (f"exploring {pred.plan.label}: {fam} has not run here, and its prediction "
+                      f"({pred.call_tokens_per_s:.2f} tok/s, from the cost model) is within "
+                      f"{1 - FAMILY_EXPLORE_WITHIN:.0%} of the choice; {self._explain(best, preds)}")
+            return Decision(pred.plan, reason, preds[:6], pred)
+        return None
 
     def _doubt(self, current: Plan, plain: Prediction, preds: list[Prediction],
                drafting: Prediction | None) -> Decision | None:
