@@ -169,7 +169,7 @@ def run_session(
             horizon = controller.horizon(generation_config.max_length - P, P)
             first = agreed(controller.decide(horizon=horizon))
             if pooled is None and worker is None and config.worker == "auto":
-                wanted = controller.process_option(first.plan)
+                wanted = controller.process_option(first.chosen)
             if plain_hand_off and first.plan.mode == "plain":
                 stats.mode, stats.worker = "plain", "inline"
                 for name in ("per_row_accepted", "per_row_rounds", "per_row_hits", "per_row_lookups"):

@@ -297,7 +297,23 @@ def test_a_drafting_family_that_never_ran_is_explored_once(split):
         assert second.plan == first
         return
     assert second.plan == sync.plan and second.reason.startswith("exploring sync")
-    ctl.memory.record_round(sync.plan, 1.2 * ctl.model(sync.plan).round_s, count=8)
+    assert second.chosen == first and second.table[0].plan == sync.plan  # a kept process is priced against `first`
+    # mid-call, the explored plan runs until its own rounds price it, then the usual rules apply
+    ctl.memory.record_round(sync.plan, 1.2 * ctl.model(sync.plan).round_s, count=2)
+    assert ctl.decide(current=sync.plan).plan == sync.plan
+    ctl.memory.record_round(sync.plan, 1.2 * ctl.model(sync.plan).round_s, count=6)
+    assert ctl.decide().plan == first
+
+
+def test_a_family_is_explored_once_however_few_rounds_it_recorded():
+    """A call that explored sync but recorded fewer than MIN_ROUNDS of its rounds (a short call, or one measured
+    while a kept process started) does not make every later call explore it again."""
+    ctl = controller(costs(split=1.3), alpha=0.8)
+    first = ctl.decide().plan
+    _measured_as_modelled(ctl, first)
+    explored = ctl.decide()
+    assert explored.plan.mode == "sync"
+    ctl.memory.record_round(explored.plan, ctl.model(explored.plan).round_s, count=1)
     assert ctl.decide().plan == first
 
 

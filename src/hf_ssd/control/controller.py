@@ -72,6 +72,12 @@ class Decision:
     reason: str
     table: list[Prediction]  # the best few alternatives, fastest first
     drafting: Prediction | None = None  # the fastest drafting plan (sync or SSD), whatever was chosen
+    choice: Plan | None = None  # an exploration's: the plan it displaced (what the controller would run otherwise)
+
+    @property
+    def chosen(self) -> Plan:
+        """The controller's own choice: the plan run, or for an exploration of a family, the plan it displaced."""
+        return self.choice or self.plan
 
 
 class Controller:
@@ -325,7 +331,12 @@ class Controller:
                     pred.startup_s = restart + compiling
                     if compiling > 0:
                         pred.parts = {**pred.parts, "compile": compiling}
-        score = self._untried_penalty if current is None else (lambda pred: pred.call_tokens_per_s)
+        ran = self._families_ran()
+        if current is not None and current == self.memory.exploring and not self.measured(current):
+            return Decision(current, f"keeping {current.label}: exploring it, until its own rounds price it",
+                            preds[:6], next((p for p in preds if p.plan.mode != "plain"), None))
+        score = ((lambda pred: self._untried_score(pred, ran)) if current is None
+                 else (lambda pred: pred.call_tokens_per_s))
         preds.sort(key=lambda x: -score(x))
         best = preds[0]
         # Among plans within 3% of the fastest, take the simplest (plain, sync, ssd; then the smallest tree): less
@@ -340,7 +351,7 @@ class Controller:
             if explore is not None:
                 return explore
         if current is None:
-            explore = self._family_exploration(preds, best)
+            explore = self._family_exploration(preds, best, ran)
             if explore is not None:
                 return explore
         if current is not None and current.mode != "plain" and best.plan.mode == "plain":
@@ -359,34 +370,36 @@ class Controller:
         ema = self.memory.round_s.get(plan)
         return ema is not None and ema.n >= MIN_ROUNDS
 
-    def family_ran(self, fam: str) -> bool:
-        return any(self.measured(p) and family(p) == fam for p in self.memory.round_s)
+    def _families_ran(self) -> set[str]:
+        """The plan families with a measured plan."""
+        return {family(p) for p in self.memory.round_s if self.measured(p)}
 
-    def _untried_penalty(self, pred: Prediction) -> float:
+    def _untried_score(self, pred: Prediction, ran: set[str]) -> float:
         """The speed a call-start decision ranks `pred` by: its prediction, over UNTRIED_GAIN where the plan has not
-        run but its family has (its siblings' measurements are the better evidence)."""
-        if self.measured(pred.plan) or not self.family_ran(family(pred.plan)):
+        run but its family has (`ran`; its siblings' measurements are the better evidence)."""
+        if family(pred.plan) not in ran or self.measured(pred.plan):
             return pred.call_tokens_per_s
         return pred.call_tokens_per_s / UNTRIED_GAIN
 
-    def _family_exploration(self, preds: list[Prediction], best: Prediction) -> Decision | None:
-        """The best plan of a drafting family that has never run, where it is predicted within
-        FAMILY_EXPLORE_WITHIN of `best` and best's own family has run (the first call runs the best prediction;
-        the next ones measure the families it left out, one call each)."""
-        if best.plan.mode == "plain" and not self.measured(best.plan):
-            return None
-        if best.plan.mode != "plain" and not self.family_ran(family(best.plan)):
+    def _family_exploration(self, preds: list[Prediction], best: Prediction, ran: set[str]) -> Decision | None:
+        """The best plan of a drafting family that has never run (`ran`) nor been explored, where it is predicted
+        within FAMILY_EXPLORE_WITHIN of `best` and best's own family has run (the first call runs the best
+        prediction; the next ones try the families it left out, one call each, once)."""
+        if family(best.plan) not in ran:
             return None
         for pred in preds:  # fastest first
             fam = family(pred.plan)
-            if pred.plan.mode == "plain" or fam == family(best.plan) or self.family_ran(fam):
+            if pred.plan.mode == "plain" or fam in ran or fam in self.memory.explored:
                 continue
             if pred.call_tokens_per_s < FAMILY_EXPLORE_WITHIN * best.call_tokens_per_s:
                 return None
+            self.memory.explored.add(fam)
+            self.memory.exploring = pred.plan
             reason = (f"exploring {pred.plan.label}: {fam} has not run here, and its prediction "
                       f"({pred.call_tokens_per_s:.2f} tok/s, from the cost model) is within "
                       f"{1 - FAMILY_EXPLORE_WITHIN:.0%} of the choice; {self._explain(best, preds)}")
-            return Decision(pred.plan, reason, preds[:6], pred)
+            table = [pred, *(p for p in preds[:6] if p is not pred)][:6]
+            return Decision(pred.plan, reason, table, pred, choice=best.plan)
         return None
 
     def _doubt(self, current: Plan, plain: Prediction, preds: list[Prediction],

@@ -49,7 +49,7 @@ def diagnose(costs: Costs, controller: Controller, K: int = 4) -> list[str]:
         lines.append("The speculation cache cannot hide here: SSD would only add work to synchronous SD.")
     decision = controller.decide()
     lines.append(f"Choice: {decision.reason}.")
-    process = controller.process_option(decision.plan)
+    process = controller.process_option(decision.chosen)
     if process is not None:
         lines.append(f"A kept draft process would do better: {process.plan.label} is predicted "
                      f"{process.tokens_per_s:.2f} tok/s. generate(..., ssd=True) starts one after its first call "
