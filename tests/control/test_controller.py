@@ -317,6 +317,26 @@ def test_a_family_is_explored_once_however_few_rounds_it_recorded():
     assert ctl.decide().plan == first
 
 
+def test_one_call_in_a_slow_spell_does_not_rule_a_plan_out():
+    """A plan's price at the start of a call is the median of its last calls' mean round times: a call that ran
+    in a slow spell (the machine's speed drifts by tens of percent) does not make the plan look slow for good.
+    Mid-call the recent rounds rule, so a plan that really got slower is still left within a few rounds."""
+    ctl = controller(costs(draft=(0.05, 0.001)), alpha=0.5, allowed={"mode": ("plain", "sync"), "K": (2,)})
+    plain, sync = Plan("plain"), Plan("sync", 2)
+    ctl.memory.record_round(plain, ctl.model(plain).round_s, count=8)  # plain as the model says
+    ctl.memory.end_call()
+    fast = ctl.predict(sync).tokens_per_round / (1.2 * ctl.predict(plain).tokens_per_s)  # sync 1.2x plain
+    for seconds in (fast, fast, 2 * fast):  # two calls, then one in a slow spell
+        ctl.memory.record_round(sync, seconds, count=8)
+        ctl.memory.end_call()
+    assert ctl.memory.round_s[sync].settled == pytest.approx(fast)
+    assert ctl.predict(sync).tokens_per_s < ctl.predict(plain).tokens_per_s  # the recent rounds: sync looks slow
+    assert ctl.decide().plan == sync
+    ctl.memory.record_round(sync, 2 * fast, count=8)  # slow again, and again: it is slower now
+    ctl.memory.end_call()
+    assert ctl.decide().plan == plain
+
+
 def test_equal_predictions_prefer_the_smaller_tree():
     """When the tree's cost does not grow with its width (a launch-bound draft) and every budget hits alike, the
     controller takes the smallest budget among those within 3% of the fastest, not the largest."""

@@ -284,8 +284,9 @@ class Controller:
         pred = self.model(plan)
         measured = self.memory.round_s.get(plan)
         if measured is not None and measured.n >= MIN_ROUNDS:
-            pred.round_s = self._aged(plan, measured.value, pred.round_s) if aged else measured.value
-            pred.parts = {**pred.parts, "measured_round": measured.value}
+            value = measured.settled if aged else measured.value  # a call's start: over calls; mid-call: recent
+            pred.round_s = self._aged(plan, value, pred.round_s) if aged else value
+            pred.parts = {**pred.parts, "measured_round": value}
         else:
             pred.round_s *= self.calibration(family(plan))
         if plan.mode != "plain":  # at this call's α, measured or not: the text's difficulty is not the plan's

@@ -11,6 +11,7 @@ from hf_ssd.core.fanout import MissRateEstimator
 
 OUTLIER = 4.0  # a round this many times the average is a one-off stall (a compile, a page fault), not the plan
 START = 3  # the average starts at the median of the first rounds, so a first-round stall cannot seed it
+CALL_WINDOW = 3  # calls whose mean round times settle a plan's price at the start of a call (Ema.settled)
 
 
 class Ema:
@@ -24,6 +25,27 @@ class Ema:
         self.first: list[float] = []
         self.outliers = 0
         self.at = 0  # Memory.clock at the last observation
+        self.calls: list[float] = []  # mean of each of the last CALL_WINDOW calls that observed it (end_call)
+        self.call_sum, self.call_n = 0.0, 0
+
+    def _add_to_call(self, x: float) -> None:
+        self.call_sum += x
+        self.call_n += 1
+
+    @property
+    def settled(self) -> float | None:
+        """The median of the last CALL_WINDOW calls' means (with the running call's, if it observed anything), or
+        the average while fewer than 2 calls are known. The average follows the last ~10 rounds, i.e. the end of
+        the last call: on a machine whose speed drifts by ±30% over seconds, one call in a slow spell priced the
+        eager sync SD of the overhead workload at 0.55x its speed, and it never ran again. A call-start decision
+        uses this; mid-call decisions use the average, which reacts within a few rounds."""
+        means = self.calls + ([self.call_sum / self.call_n] if self.call_n else [])
+        return statistics.median(means[-CALL_WINDOW:]) if len(means) >= 2 else self.value
+
+    def end_call(self) -> None:
+        if self.call_n:
+            self.calls = [*self.calls, self.call_sum / self.call_n][-CALL_WINDOW:]
+        self.call_sum, self.call_n = 0.0, 0
 
     def add(self, x: float, count: int = 1) -> None:
         for _ in range(count):
@@ -34,11 +56,13 @@ class Ema:
             self.first.append(x)
             self.value = statistics.median(self.first)
             self.n += 1
+            self._add_to_call(x)
             return
         if self.outlier is not None and x > self.outlier * self.value and self.outliers < 2:
             self.outliers += 1
             return
         self.outliers = 0
+        self._add_to_call(x)
         self.value = (1 - self.weight) * self.value + self.weight * x
         self.n += 1
 
@@ -209,6 +233,11 @@ class Memory:
         ema = self.round_s.setdefault(plan, Ema())
         ema.add(seconds, count=count)
         ema.at = self.clock
+
+    def end_call(self) -> None:
+        """A generate() call ended: each plan's rounds in it become one call mean (Ema.settled)."""
+        for ema in self.round_s.values():
+            ema.end_call()
 
     def add_acceptance(self, accepted: float, rejected: float, rounds: int = 1, int8: bool = False) -> None:
         """Accepted drafts and rejections observed over `rounds` drafting rounds (or their equivalent), of the draft

@@ -211,6 +211,7 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
     if stats.controller_memory is not None:  # how long calls run here: the next calls' horizon
         made = sequences.shape[1] - input_ids.shape[1] if handed_off else max(len(t) for t in rows.tokens)
         stats.controller_memory.call_length.add(made, ended=made < generation_config.max_length - input_ids.shape[1])
+        stats.controller_memory.end_call()
     summary = stats.summary()
     _last_stats = summary
     if handed_off:
