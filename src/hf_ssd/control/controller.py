@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from dataclasses import dataclass, replace
 
 from hf_ssd.control.compiled import COMPILE_PRIOR_S, compile_share, graph_seconds, plan_graphs
 from hf_ssd.control.costs import Costs
 from hf_ssd.control.memory import Memory, Tally
 from hf_ssd.control.plan import MAX_K, Acceptance, Plan, Prediction, candidates, predict, verify_s
+from hf_ssd.control.shortlist import make_shortlist
 from hf_ssd.runtime import static_registry
 
 MIN_ROUNDS = 4  # rounds a plan must have run before its measured round time replaces the model's
@@ -318,11 +320,22 @@ class Controller:
         horizon: what is left of the call. Then every draft plan but the running one pays its drafter's start (the
         draft's prefill of the context) out of that call: a large batch of long prompts generating a few tokens
         may be faster with plain decoding even where drafting wins per round."""
+        began = time.perf_counter()
+        shortlist = self.memory.shortlist
+        full = shortlist is None or not shortlist.usable(self.plans)
+        plans = self.plans if full else shortlist.restrict(self.plans, current)
         self._memo = {}
         try:
-            preds = [self.predict(p, aged=current is None, in_loop=current is not None) for p in self.plans]
+            preds = [self.predict(p, aged=current is None, in_loop=current is not None) for p in plans]
         finally:
             self._memo = None
+        try:
+            return self._decide(preds, current, horizon, full)
+        finally:
+            self.memory.decide_s = time.perf_counter() - began
+
+    def _decide(self, preds: list[Prediction], current: Plan | None, horizon: Horizon | None,
+                full: bool) -> Decision:
         if horizon is not None:
             for pred in preds:
                 pred.horizon = horizon.tokens * self.batch
@@ -339,6 +352,8 @@ class Controller:
         score = ((lambda pred: self._untried_score(pred, ran)) if current is None
                  else (lambda pred: pred.call_tokens_per_s))
         preds.sort(key=lambda x: -score(x))
+        if full:
+            self.memory.shortlist = make_shortlist(preds, self.plans, family)
         best = preds[0]
         # Among plans within 3% of the fastest, take the simplest (plain, sync, ssd; then the smallest tree): less
         # that can go wrong and less work for the same predicted speed.

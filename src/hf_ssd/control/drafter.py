@@ -57,8 +57,9 @@ class ControlledDrafter(Drafter):
         self.retired_forwards = 0
         self.rounds = 0
         self.last_start: float | None = None  # when the previous round's resolve began (None: not a plan round)
-        self.last_decision = time.perf_counter()  # when the last decision ended, and what it cost
-        self.decide_s = 0.0
+        # when the last decision ended, and what it cost: the call-start one spaces the first mid-call decision too
+        self.last_decision = time.perf_counter()
+        self.decide_s = controller.memory.decide_s
         self.decided_at = 0  # self.rounds at the last decision
         self.pending: list[Plan] = []  # the other plans the latest decisions chose (CONFIRMATIONS)
         self.ranks_seen: list[int] = []  # stats.bonus_ranks when last read (_learn_guessability)

@@ -7,6 +7,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from hf_ssd.control.plan import Acceptance, Plan
+from hf_ssd.control.shortlist import Shortlist
 from hf_ssd.core.fanout import MissRateEstimator
 
 OUTLIER = 4.0  # a round this many times the average is a one-off stall (a compile, a page fault), not the plan
@@ -223,6 +224,8 @@ class Memory:
     # few rounds it then recorded; `exploring` is the plan such a call runs, kept mid-call until it is measured
     explored: set = field(default_factory=set)
     exploring: Plan | None = None
+    shortlist: Shortlist | None = None  # the plans decisions predict between full evaluations (control.shortlist)
+    decide_s: float = 0.0  # what the last decision took (ControlledDrafter spaces its decisions by it)
 
     def record_round(self, plan: Plan, seconds: float, tokens: float | None = None, count: int = 1,
                      rounds: int | None = None) -> None:

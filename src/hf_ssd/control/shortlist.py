@@ -1,0 +1,50 @@
+"""The plans a decision predicts between full evaluations.
+
+A full evaluation predicts every candidate plan (about 250 on a CPU with an int8 draft and a kept draft process) and
+cost ~12 ms on the project's CPU. A call made two (at its start, and the first mid-call one), so on the overhead
+workload, whose calls take ~0.4 s, `ssd=True` ran the very plan of the hand-picked SSD row 4-16% slower than that row.
+Most plans cannot win: they are far slower than the best, and a few rounds of measurement do not bring them back.
+So a full evaluation keeps a shortlist, and the next decisions predict only that:
+- the fastest SHORTLIST_TOP plans (the close competitors, their budgets and thread splits);
+- the fastest plan of each (family, K) and of each (family, precision): where the call's α moves (a code answer
+  after a chat one), the best K of each family moves with it, and a family's calibration moves all its plans alike.
+A full evaluation comes back every SHORTLIST_EVERY decisions, and whenever the candidate plans changed (other
+options, a kept draft process that came up).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from hf_ssd.control.plan import Plan, Prediction
+
+SHORTLIST_TOP = 8
+SHORTLIST_EVERY = 16
+
+
+@dataclass
+class Shortlist:
+    plans: frozenset[Plan]
+    source: int  # hash of the candidate plans it was made from: other candidates need a full evaluation
+    decisions: int = 0  # decisions made on it since it was made
+
+    def usable(self, candidates: list[Plan]) -> bool:
+        return self.source == hash(tuple(candidates)) and self.decisions < SHORTLIST_EVERY
+
+    def restrict(self, candidates: list[Plan], keep: Plan | None) -> list[Plan]:
+        """The candidates on the shortlist (and `keep`, the running plan), in the candidates' order."""
+        self.decisions += 1
+        return [p for p in candidates if p in self.plans or p == keep]
+
+
+def make_shortlist(ranked: list[Prediction], candidates: list[Plan], family: Callable[[Plan], str]) -> Shortlist:
+    """The shortlist of a full evaluation, from its predictions `ranked` fastest first."""
+    keep = {pred.plan for pred in ranked[:SHORTLIST_TOP]}
+    seen: set[tuple] = set()
+    for pred in ranked:
+        plan = pred.plan
+        for group in ((family(plan), "K", plan.K), (family(plan), "int8", plan.int8)):
+            if group not in seen:
+                seen.add(group)
+                keep.add(plan)
+    return Shortlist(frozenset(keep), hash(tuple(candidates)))
