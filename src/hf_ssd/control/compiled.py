@@ -25,10 +25,19 @@ def record_plain_loop_compile(target, seconds: float) -> None:
     _PLAIN_LOOP_S[id(target)] = max(float(seconds), 0.0)
 
 
+def plain_loop_built(target) -> bool:
+    """Has transformers' compiled decode step been set up on `target` in this process: by a plain call of ours, or
+    by the caller's own `generate(cache_implementation="static")` with a compile config? Then a plain call compiles
+    nothing new (torch.compile keeps its graphs per process)."""
+    return target is not None and getattr(target, "_compiled_call", None) is not None
+
+
 def graph_seconds(graph: tuple, target, per_graph_s: float) -> float:
     """What building `graph` costs: our fixed-width forwards at this process's measured average, transformers'
-    compiled loop at its measured time (or PLAIN_LOOP_PRIOR_GRAPHS of ours)."""
+    compiled loop at its measured time (or PLAIN_LOOP_PRIOR_GRAPHS of ours), nothing if it is built already."""
     if graph == ("plain",):
+        if plain_loop_built(target):
+            return 0.0
         return _PLAIN_LOOP_S.get(id(target), PLAIN_LOOP_PRIOR_GRAPHS * per_graph_s)
     return per_graph_s
 
