@@ -305,6 +305,24 @@ def test_a_drafting_family_that_never_ran_is_explored_once(split):
     assert ctl.decide().plan == first
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_compiled_plain_loop_is_explored_once_like_a_drafting_family(compiled):
+    """With a compiled target, plain's price is its eager cost line scaled by the verifies' measured ratio, and
+    transformers' compiled loop runs faster than that (the overhead workload at α ≈ 0.7: about 285 tok/s where the
+    compiled SD ran 250, and plain was priced below it): plain is explored once, as a drafting family that never ran
+    is. Eager plain is priced by its own cost line, and is not."""
+    ctl = Controller(costs(split=1.3), Memory(), 1, {}, fixed_alpha=0.4, plain_compiled=compiled,
+                     draft_compiled=compiled)
+    assert ctl.predict(Plan("plain")).tokens_per_s < ctl.predict(ctl.decide().plan).tokens_per_s
+    explored = []
+    for _ in range(5):
+        decision = ctl.decide()
+        if decision.reason.startswith("exploring"):
+            explored.append(decision.plan)
+        _measured_as_modelled(ctl, decision.plan)
+    assert explored.count(Plan("plain")) == int(compiled)
+
+
 def test_a_family_is_explored_once_however_few_rounds_it_recorded():
     """A call that explored sync but recorded fewer than MIN_ROUNDS of its rounds (a short call, or one measured
     while a kept process started) does not make every later call explore it again."""

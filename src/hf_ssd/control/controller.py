@@ -405,7 +405,9 @@ class Controller:
             return None
         for pred in preds:  # fastest first
             fam = family(pred.plan)
-            if pred.plan.mode == "plain" or fam in ran or fam in self.memory.explored:
+            if fam in ran or fam in self.memory.explored:
+                continue
+            if pred.plan.mode == "plain" and not self.plain_compiled:  # priced by its own eager cost line
                 continue
             if pred.call_tokens_per_s < FAMILY_EXPLORE_WITHIN * best.call_tokens_per_s:
                 return None
