@@ -155,7 +155,8 @@ def run_session(
         drafter = build(plan)
     else:
         try:
-            controller = make_controller(target, draft, B, greedy, config, d_device, worker, pooled is not None)
+            controller = make_controller(target, draft, B, greedy, config, d_device, worker, pooled is not None,
+                                         max_length=generation_config.max_length)
         except Exception as exc:  # noqa: BLE001 - measuring runs the draft; a broken draft falls back, as in the chain
             reason = f"{type(exc).__name__}: {exc}"
             stats.fallback_reason = reason
@@ -222,7 +223,7 @@ def _ask_for_process(draft, wanted, pooled, stats: SSDStats, chosen: Plan | None
 
 
 def make_controller(target, draft, batch: int, greedy: bool, config: SSDConfig, device: torch.device,
-                    worker_handle, process_ready: bool = False) -> Controller:
+                    worker_handle, process_ready: bool = False, max_length: int | None = None) -> Controller:
     allowed = constraints(config, device, worker_handle)
     costs = measure_costs(target, draft, batch, int8="int8" not in allowed or allowed["int8"])
     # compiled plans cost differently from eager ones: their measured rounds are kept apart
@@ -233,4 +234,4 @@ def make_controller(target, draft, batch: int, greedy: bool, config: SSDConfig, 
     prior = Acceptance(alpha=0.7)
     return Controller(costs, memory_for(key), batch, allowed, prior, fixed_alpha=config.alpha,
                       process_ready=process_ready, plain_compiled=config.compile_target,
-                      draft_compiled=config.compile is not False, target=target)
+                      draft_compiled=config.compile is not False, target=target, max_length=max_length)

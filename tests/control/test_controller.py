@@ -906,6 +906,35 @@ def test_a_switch_to_uncompiled_shapes_pays_for_their_compiles(monkeypatch):
         assert "compile" not in next(p for p in ctl.decide(one, horizon).table if p.plan == four).parts
 
 
+def test_graphs_built_on_caches_for_short_prompts_are_built_again_for_a_long_one(monkeypatch):
+    """Our graphs are built per static cache, sized by the call's length limit and the plan's tree: a plan that ran
+    on short prompts has no graphs for a call whose cache must be larger, and the controller prices their compiles
+    (a larger cache serves a shorter call, up to REUSE_LARGER times the slots it needs)."""
+    from hf_ssd.control.compiled import built, plan_graphs
+    from hf_ssd.control.controller import Horizon
+    from hf_ssd.runtime import static_registry
+
+    ssd = Plan("ssd", 4, 8, "process")
+    short = plan_graphs(ssd, True, True, max_length=200)  # 200 + 2*5 + 4*8 = 242 slots: a cache of 256
+    assert all(built(g, set(short)) for g in plan_graphs(ssd, True, True, max_length=180))  # the same cache size
+    long = plan_graphs(ssd, True, True, max_length=700)  # 768 slots
+    assert not any(built(g, set(short)) for g in long)
+    assert all(built(g, set(long)) for g in short)  # the registry lends the larger cache to a shorter call
+    huge = plan_graphs(ssd, True, True, max_length=1500)  # 1536 slots: more than 4x what a 200-token call needs
+    assert not any(built(g, set(huge)) for g in short)
+
+    def controller_for(max_length):
+        return Controller(costs(), memory, 1, {"mode": ("ssd",), "K": (4,), "budget": 8}, fixed_alpha=0.9,
+                          plain_compiled=True, draft_compiled=True, max_length=max_length)
+
+    memory = Memory()
+    controller_for(200).mark_compiled(ssd)
+    monkeypatch.setattr(static_registry, "COMPILE_SPENT", {"seconds": 30.0, "graphs": 10})  # 3 s per graph
+    horizon = Horizon(tokens=64, context=100)
+    assert controller_for(180).compile_s(ssd, horizon, in_loop=False) == 0.0
+    assert controller_for(700).compile_s(ssd, horizon, in_loop=False) == pytest.approx(3.0 * len(long))
+
+
 def test_the_graphs_each_plan_compiles():
     """control.compiled.plan_graphs: a verify width per K (compiled target); draft widths per K and budget, kept
     apart for a process worker and an int8 draft (their graphs live elsewhere); plain's compiled loop only at the

@@ -10,7 +10,10 @@ stalls for a small gain.
 """
 from __future__ import annotations
 
-from hf_ssd.control.plan import Plan
+from hf_ssd.control.plan import MAX_K, Plan
+from hf_ssd.runtime.static_choice import TARGET_K_MAX
+from hf_ssd.runtime.static_kv import static_cache_len
+from hf_ssd.runtime.static_registry import REUSE_LARGER
 
 COMPILE_PRIOR_S = 5.0  # seconds per graph until this process has measured one
 # transformers' compiled decode loop (a plain call on a compiled target) compiles far more than one of our
@@ -42,22 +45,49 @@ def graph_seconds(graph: tuple, target, per_graph_s: float) -> float:
     return per_graph_s
 
 
-def plan_graphs(plan: Plan, draft: bool, target: bool, in_loop: bool = False) -> frozenset[tuple]:
+def plan_graphs(plan: Plan, draft: bool, target: bool, in_loop: bool = False,
+                max_length: int | None = None) -> frozenset[tuple]:
     """The compiled graphs `plan` runs on: its verify width (a compiled target), its draft widths (a compiled draft:
     glue K+1, tree N and N+1, single steps; synchronous SD 1 and 2), and for plain at the start of a call,
     transformers' compiled decode step. A process worker compiles in its own process, an int8 draft on its own
-    model, so their graphs are told apart. Mid-generation plain steps run eagerly (`in_loop`): no graph."""
+    model, so their graphs are told apart. Mid-generation plain steps run eagerly (`in_loop`): no graph.
+
+    max_length: the call's length limit. Our graphs are built per static cache, and a cache is sized for a call's
+    length and the plan's tree (runtime.static_kv.static_cache_len), so each graph then also names its cache's
+    slots, ("slots", M): a plan whose graphs were built on caches for short prompts compiles them again for a long
+    one (`built`). Unaware of that, the controller ran an SSD plan "already compiled" on the short MT-Bench prompts
+    on a HumanEval prompt, and that call compiled for 10 s."""
     if plan.mode == "plain":
         return frozenset({("plain",)}) if target and not in_loop else frozenset()
-    graphs: set[tuple] = {("target", plan.K + 1)} if target else set()
+
+    def on(slots: int) -> tuple:
+        return () if max_length is None else (("slots", slots),)
+
+    graphs: set[tuple] = set()
+    if target:
+        graphs.add(("target", plan.K + 1, *on(static_cache_len(max_length or 0, TARGET_K_MAX, 0))))
     if draft:
         where = ("draft", plan.int8, plan.worker == "process")
-        if plan.mode == "sync":
+        if plan.mode == "sync":  # runtime.static_choice: room for MAX_K drafts (a retune) and a hole per token
             widths: tuple[int, ...] = (1, 2)
+            slots = static_cache_len(2 * (max_length or 0), max(plan.K, MAX_K), 0)
         else:
             widths = (1, plan.K + 1, plan.budget) + ((plan.budget + 1,) if plan.K >= 2 else ())
-        graphs |= {(*where, w) for w in widths}
+            slots = static_cache_len(max_length or 0, plan.K, plan.budget)
+        graphs |= {(*where, w, *on(slots)) for w in widths}
     return frozenset(graphs)
+
+
+def built(graph: tuple, graphs: set) -> bool:
+    """Is `graph` compiled already: itself, or the same forward on a cache that the static registry would reuse for
+    it (one with at least its slots, up to REUSE_LARGER times as many)."""
+    if graph in graphs:
+        return True
+    need = graph[-1]
+    if not (isinstance(need, tuple) and need[0] == "slots"):
+        return False
+    return any(g[:-1] == graph[:-1] and isinstance(g[-1], tuple) and g[-1][0] == "slots"
+               and need[1] <= g[-1][1] <= REUSE_LARGER * need[1] for g in graphs)
 
 
 def compile_share(compile_s: float, horizon_tokens: float, generated_tokens: float) -> float:

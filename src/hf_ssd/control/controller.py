@@ -14,11 +14,11 @@ import statistics
 import time
 from dataclasses import dataclass, replace
 
-from hf_ssd.control.compiled import COMPILE_PRIOR_S, compile_share, graph_seconds, plan_graphs
+from hf_ssd.control.compiled import COMPILE_PRIOR_S, built, compile_share, graph_seconds, plan_graphs
 from hf_ssd.control.costs import Costs
 from hf_ssd.control.memory import Memory, Tally
 from hf_ssd.control.plan import MAX_K, Acceptance, Plan, Prediction, candidates, predict, verify_s
-from hf_ssd.control.shortlist import make_shortlist
+from hf_ssd.control.shortlist import candidates_key, make_shortlist
 from hf_ssd.runtime import static_registry
 
 MIN_ROUNDS = 4  # rounds a plan must have run before its measured round time replaces the model's
@@ -85,7 +85,7 @@ class Decision:
 class Controller:
     def __init__(self, costs: Costs, memory: Memory, batch: int, allowed: dict, prior: Acceptance | None = None,
                  fixed_alpha: float | None = None, process_ready: bool = False, plain_compiled: bool = False,
-                 draft_compiled: bool = False, target=None):
+                 draft_compiled: bool = False, target=None, max_length: int | None = None):
         """allowed: constraints from explicit options, e.g. {"mode": ("ssd",), "K": (4,), "budget": 8,
         "int8": False, "worker": "thread", "threads": (1, 1)}; absent keys are free. process_ready: a kept draft
         process is up (workers.pool), so process-worker plans are candidates beside the thread's. plain_compiled:
@@ -93,6 +93,7 @@ class Controller:
         draft_compiled: the draft does (ssd_compile). Either way a plan with new shapes pays their compiles
         (control.compiled; `target`: the model, whose compiled plain loop's measured compile time prices it)."""
         self.target = target
+        self.max_length = max_length  # the call's length limit: our static caches (and graphs) are sized by it
         self.costs, self.memory, self.batch = costs, memory, batch
         self.plain_compiled, self.draft_compiled = plain_compiled, draft_compiled
         self.allowed = allowed
@@ -111,6 +112,7 @@ class Controller:
         if "threads" in allowed:
             plans = [replace(p, threads=allowed["threads"]) for p in plans]
         self.plans = plans
+        self.plans_key = candidates_key(plans)  # the decision shortlist's check that it was made from these plans
         if not self.plans:
             raise ValueError(f"no decoding plan satisfies the given options {allowed}")
         self.call: dict[bool, Tally] = {}  # this call's acceptance per draft precision (a controller serves one call)
@@ -226,7 +228,7 @@ class Controller:
             self.memory.verify.add(seconds / max(verify_s(plan, self.costs), 1e-9))
 
     def graphs(self, plan: Plan, in_loop: bool = False) -> frozenset[tuple]:
-        return plan_graphs(plan, self.draft_compiled, self.plain_compiled, in_loop)
+        return plan_graphs(plan, self.draft_compiled, self.plain_compiled, in_loop, self.max_length)
 
     def mark_compiled(self, plan: Plan, in_loop: bool = False) -> None:
         """`plan` is running: its graphs are built (or being built) in this process, or its kept draft process."""
@@ -237,7 +239,7 @@ class Controller:
         process's first plan compiled (the user's opted-in warm-up)."""
         if not self.memory.graphs:
             return 0.0
-        missing = self.graphs(plan, in_loop) - self.memory.graphs
+        missing = {g for g in self.graphs(plan, in_loop) if not built(g, self.memory.graphs)}
         if not missing:
             return 0.0
         spent = static_registry.COMPILE_SPENT
@@ -322,7 +324,7 @@ class Controller:
         may be faster with plain decoding even where drafting wins per round."""
         began = time.perf_counter()
         shortlist = self.memory.shortlist
-        full = shortlist is None or not shortlist.usable(self.plans)
+        full = shortlist is None or not shortlist.usable(self.plans_key)
         plans = self.plans if full else shortlist.restrict(self.plans, current)
         self._memo = {}
         try:
@@ -353,7 +355,7 @@ class Controller:
                  else (lambda pred: pred.call_tokens_per_s))
         preds.sort(key=lambda x: -score(x))
         if full:
-            self.memory.shortlist = make_shortlist(preds, self.plans, family)
+            self.memory.shortlist = make_shortlist(preds, self.plans_key, family)
         best = preds[0]
         # Among plans within 3% of the fastest, take the simplest (plain, sync, ssd; then the smallest tree): less
         # that can go wrong and less work for the same predicted speed.

@@ -25,11 +25,11 @@ SHORTLIST_EVERY = 16
 @dataclass
 class Shortlist:
     plans: frozenset[Plan]
-    source: int  # hash of the candidate plans it was made from: other candidates need a full evaluation
+    source: int  # candidates_key of the candidate plans it was made from: other candidates need a full evaluation
     decisions: int = 0  # decisions made on it since it was made
 
-    def usable(self, candidates: list[Plan]) -> bool:
-        return self.source == hash(tuple(candidates)) and self.decisions < SHORTLIST_EVERY
+    def usable(self, source: int) -> bool:
+        return self.source == source and self.decisions < SHORTLIST_EVERY
 
     def restrict(self, candidates: list[Plan], keep: Plan | None) -> list[Plan]:
         """The candidates on the shortlist (and `keep`, the running plan), in the candidates' order."""
@@ -37,8 +37,13 @@ class Shortlist:
         return [p for p in candidates if p in self.plans or p == keep]
 
 
-def make_shortlist(ranked: list[Prediction], candidates: list[Plan], family: Callable[[Plan], str]) -> Shortlist:
-    """The shortlist of a full evaluation, from its predictions `ranked` fastest first."""
+def candidates_key(candidates: list[Plan]) -> int:
+    return hash(tuple(candidates))
+
+
+def make_shortlist(ranked: list[Prediction], source: int, family: Callable[[Plan], str]) -> Shortlist:
+    """The shortlist of a full evaluation of the candidates `source` (candidates_key), from its predictions
+    `ranked` fastest first."""
     keep = {pred.plan for pred in ranked[:SHORTLIST_TOP]}
     seen: set[tuple] = set()
     for pred in ranked:
@@ -47,4 +52,4 @@ def make_shortlist(ranked: list[Prediction], candidates: list[Plan], family: Cal
             if group not in seen:
                 seen.add(group)
                 keep.add(plan)
-    return Shortlist(frozenset(keep), hash(tuple(candidates)))
+    return Shortlist(frozenset(keep), source)

@@ -91,10 +91,11 @@ def static_draft_cache(model: PreTrainedModel, config, batch: int, max_length: i
     return kv
 
 
-VERIFY_WIDTHS = tuple(range(2, 18))  # verify blocks of K + 1 tokens, K = 1..16: each compiles at its first use
+TARGET_K_MAX = 16  # the target's static cache has room for a round of this many drafts
+VERIFY_WIDTHS = tuple(range(2, TARGET_K_MAX + 2))  # verify blocks of K + 1 tokens: each compiles at its first use
 
 
-def static_target_cache(model: PreTrainedModel, batch: int, max_length: int, K_max: int = 16
+def static_target_cache(model: PreTrainedModel, batch: int, max_length: int, K_max: int = TARGET_K_MAX
                         ) -> StaticCachedModel | None:
     """`ssd_compile_target`: the target's cache as static buffers whose verify block (K + 1 tokens wide) runs
     compiled; None (the dynamic cache) for a model split over devices or an absurd length. The target's logits are
