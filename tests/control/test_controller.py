@@ -323,6 +323,27 @@ def test_a_compiled_plain_loop_is_explored_once_like_a_drafting_family(compiled)
     assert explored.count(Plan("plain")) == int(compiled)
 
 
+def test_an_exploration_never_compiles(monkeypatch):
+    """A family whose graphs are not built in this process is not explored, however cheap its compiles look spread
+    over a long-running setting's future: a measurement is not worth a stall of seconds."""
+    from hf_ssd.control.controller import Horizon
+    from hf_ssd.runtime import static_registry
+
+    monkeypatch.setattr(static_registry, "COMPILE_SPENT", {"seconds": 30.0, "graphs": 10})
+    for compiled in (False, True):
+        ctl = Controller(costs(split=1.3), Memory(), 1, {}, fixed_alpha=0.8, draft_compiled=compiled,
+                         max_length=200)
+        horizon = Horizon(tokens=64, context=100)
+        first = ctl.decide(horizon=horizon).plan
+        assert first.mode == "ssd"
+        ctl.mark_compiled(first)
+        _measured_as_modelled(ctl, first)
+        ctl.memory.generated = 1e6  # a long-running setting: a compile is a small share of its future
+        second = ctl.decide(horizon=horizon)
+        # eager: sync is explored as usual; compiled: its graphs (draft widths 1, 2) are not built
+        assert second.reason.startswith("exploring sync") == (not compiled)
+
+
 def test_a_family_is_explored_once_however_few_rounds_it_recorded():
     """A call that explored sync but recorded fewer than MIN_ROUNDS of its rounds (a short call, or one measured
     while a kept process started) does not make every later call explore it again."""

@@ -411,6 +411,10 @@ class Controller:
                 continue
             if pred.plan.mode == "plain" and not self.plain_compiled:  # priced by its own eager cost line
                 continue
+            # An exploration never compiles: a measurement is not worth a stall of seconds, however well the
+            # compile is spread over the setting's future (one explored compiled sync SD call took 14.7 s)
+            if pred.parts.get("compile", 0.0) > 0:
+                continue
             if pred.call_tokens_per_s < FAMILY_EXPLORE_WITHIN * best.call_tokens_per_s:
                 return None
             self.memory.explored.add(fam)

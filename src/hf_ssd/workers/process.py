@@ -58,6 +58,18 @@ SHARED_STATS = ("cache_lookups", "cache_hits", "backup_rounds", "fanout_after_hi
                 "draft_compile_s", "tree_reused")
 
 
+def _retire(drafter) -> None:
+    """Close a finished generation's drafter, so its static cache goes back to the registry now: dropped, it went
+    back only when garbage collection reached it, and a next generation that found it still in use built and
+    compiled a cache of its own."""
+    if drafter is None:
+        return
+    try:
+        drafter.close()
+    except Exception:  # noqa: BLE001 - a drafter that failed may fail to close; the next generation starts clean
+        pass
+
+
 def _serve(conn, model, quantize) -> None:
     """The child's loop. Requests are (seq, cmd, *args); answers are (seq, status, payload), seq echoed."""
     from hf_ssd.draft.saguaro import SaguaroDrafter
@@ -89,6 +101,7 @@ def _serve(conn, model, quantize) -> None:
                 if rng_state is not None:  # continue the parent's draft RNG stream: same samples as inline
                     generator = torch.Generator()
                     generator.set_state(rng_state)
+                _retire(drafter)
                 drafter = draft = stats = exchange = None
                 failed = None
                 config = SSDConfig.from_dict(config_dict)
@@ -105,6 +118,7 @@ def _serve(conn, model, quantize) -> None:
                 conn.send((seq, "ok", None))
                 continue
             if cmd == "release":
+                _retire(drafter)
                 drafter = draft = stats = exchange = None
                 failed = None
                 conn.send((seq, "ok", None))
