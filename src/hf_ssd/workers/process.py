@@ -59,9 +59,9 @@ SHARED_STATS = ("cache_lookups", "cache_hits", "backup_rounds", "fanout_after_hi
 
 
 def _retire(drafter) -> None:
-    """Close a finished generation's drafter, so its static cache goes back to the registry now: dropped, it went
-    back only when garbage collection reached it, and a next generation that found it still in use built and
-    compiled a cache of its own."""
+    """Close a finished generation's drafter, so its static cache goes back to the registry now: dropped, it goes
+    back only when garbage collection reaches it, and a next generation that finds it still in use builds and
+    compiles a cache of its own (the likely cause of one 10 s call on the overhead workload; not isolated)."""
     if drafter is None:
         return
     try:
