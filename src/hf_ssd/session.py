@@ -226,8 +226,11 @@ def make_controller(target, draft, batch: int, greedy: bool, config: SSDConfig, 
                     worker_handle, process_ready: bool = False, max_length: int | None = None) -> Controller:
     allowed = constraints(config, device, worker_handle)
     costs = measure_costs(target, draft, batch, int8="int8" not in allowed or allowed["int8"])
-    # compiled plans cost differently from eager ones: their measured rounds are kept apart
-    key = (id(target), id(draft), str(device), batch, greedy, config.compile, config.compile_target)
+    # compiled plans cost differently from eager ones: their measured rounds are kept apart. So are the calls whose
+    # options constrain the choice: what a call with every option free learns is its own (a benchmark's hand-picked
+    # rows ran the plans that `ssd=True` then found measured, explored and compiled)
+    key = (id(target), id(draft), str(device), batch, greedy, config.compile, config.compile_target,
+           tuple(sorted(allowed.items())))
     # sampled acceptance (sum of min(p, q)) was at or above greedy's in every run of the project's benches
     # (default pair 0.73-0.80 at T = 0.7 against 0.75-0.80 greedy; overhead workload 0.78-0.81 against 0.64): a
     # lower prior for sampling made plain look faster where SD ran 1.13x plain

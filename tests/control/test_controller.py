@@ -1016,3 +1016,21 @@ def test_a_switch_to_plain_waits_for_rounds_that_rule_drafting_out(monkeypatch):
     for _ in range(20):
         ctl.observe_acceptance(0.4, 0.6)  # twenty more rounds at α = 0.4
     assert ctl.decide(current=running).plan == Plan("plain")
+
+
+def test_calls_with_constraining_options_learn_apart_from_free_ones(monkeypatch):
+    """A call whose options fix part of the plan (a benchmark's hand-picked row) does not teach `ssd=True` alone: a
+    user's free calls start from what their own calls measured."""
+    from hf_ssd.control import memory as memory_mod
+
+    monkeypatch.setattr(memory_mod, "_MEMORY", {})
+    pair = get_pair("llama")
+    ids, mask = left_pad([prompt(7, seed=5)[0]])
+    kw = dict(attention_mask=mask, assistant_model=pair.related, ssd=True, max_new_tokens=12, do_sample=False,
+              pad_token_id=0)
+    pair.target.generate(ids, ssd_mode="ssd", ssd_worker="inline", **kw)
+    assert len(memory_mod._MEMORY) == 1
+    pair.target.generate(ids, **kw)
+    assert len(memory_mod._MEMORY) == 2
+    pair.target.generate(ids, **kw)
+    assert len(memory_mod._MEMORY) == 2

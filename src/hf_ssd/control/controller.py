@@ -263,13 +263,27 @@ class Controller:
     def startup_s(self, plan: Plan, context: int) -> float:
         """startup_model, calibrated by the starts measured so far (a long prefill is compute-bound: the cost
         line, timed on short forwards, may be off by a constant factor)."""
-        ratio = self.memory.startup.value if self.memory.startup.value is not None else 1.0
-        return self.startup_model(plan, context) * ratio
+        return self.startup_model(plan, context) * self.memory.startup_ratio(family(plan))
 
     def record_startup(self, plan: Plan, context: int, seconds: float) -> None:
         modelled = self.startup_model(plan, context)
         if modelled > 0:
-            self.memory.startup.add(seconds / modelled)
+            self.memory.record_startup(family(plan), seconds / modelled)
+
+    def prefill_overlap(self, plan: Plan, context: int) -> float | None:
+        """Should `plan`'s drafter prefill while the target does (Drafter.prepare: a draft process can), each side
+        on its share of the cores? Returns what that adds to the target's prefill of `context` tokens per row
+        (seconds, modelled), or None where it does not pay. It pays where the target's prefill on its share takes
+        less than on every thread plus the draft's prefill after it: where launches bound the forwards (small
+        models, a GPU) the draft's prefill hides for free, but on a CPU that a large prefill keeps busy, halving
+        the target's cores costs more than the draft's prefill it hides."""
+        if plan.mode != "ssd" or plan.worker != "process":
+            return None
+        split = self.costs.target(True)(context)
+        alone = self.costs.target(False)(context)
+        if split >= alone + self.costs.draft(True, plan.int8)(context):
+            return None
+        return max(0.0, split - alone)
 
     def predict(self, plan: Plan, aged: bool = False, in_loop: bool = False) -> Prediction:
         """The plan's tokens per second: its round time from its measurements where it has run (aged: with old ones
@@ -472,7 +486,7 @@ class Controller:
         if drafting.call_tokens_per_s < MEASURE_WITHIN * plain.call_tokens_per_s:
             return None
         decoding_s = horizon.tokens * self.batch / max(plain.tokens_per_s, 1e-9)
-        ratio = self.memory.startup.value if self.memory.startup.value is not None else 1.0  # as startup_s
+        ratio = self.memory.startup_ratio("sync")  # a pass of the draft alone, after the target's
         forward_s = self.costs.draft(False, drafting.plan.int8)(horizon.context + horizon.tokens) * ratio
         if forward_s > MEASURE_SHARE * decoding_s:
             return None

@@ -54,6 +54,7 @@ class ControlledDrafter(Drafter):
         self.caller_threads = torch.get_num_threads()
         self.current = build(self.plan)
         controller.mark_compiled(self.plan)
+        self.prefill_slower_s = 0.0  # what prepare()'s overlapped start added to the target's prefill (modelled)
         self.retired_forwards = 0
         self.rounds = 0
         self.last_start: float | None = None  # when the previous round's resolve began (None: not a plan round)
@@ -76,17 +77,29 @@ class ControlledDrafter(Drafter):
     def forwards(self) -> int:
         return self.retired_forwards + self.current.forwards
 
+    def prepare(self, prompt: torch.Tensor, mask: torch.Tensor) -> bool:
+        """Start the plan's drafter during the target's prefill where that pays (Controller.prefill_overlap); the
+        target's prefill then runs on its share of the cores, as the rounds will."""
+        slower = self.controller.prefill_overlap(self.plan, prompt.shape[1])
+        if slower is None or not self.current.prepare(prompt, mask):
+            return False
+        self.prefill_slower_s = slower
+        self._apply_threads()
+        return True
+
     def start(self, prompt: torch.Tensor, mask: torch.Tensor) -> Speculation:
-        spec = self._timed_start(lambda: self.current.start(prompt, mask), prompt.shape[1])
+        spec = self._timed_start(lambda: self.current.start(prompt, mask), prompt.shape[1], self.prefill_slower_s)
+        self.prefill_slower_s = 0.0
         self._apply_threads()
         return spec
 
-    def _timed_start(self, start: Callable[[], Speculation], context: int) -> Speculation:
-        """Run the drafter's start (its prefill of `context` tokens per row) and calibrate what starts cost."""
+    def _timed_start(self, start: Callable[[], Speculation], context: int, extra_s: float = 0.0) -> Speculation:
+        """Run the drafter's start (its prefill of `context` tokens per row) and calibrate what starts cost: the
+        wait for it, plus `extra_s` it cost elsewhere (an overlapped start's slower target prefill)."""
         began = time.perf_counter()
         spec = start()
         if self.plan.mode != "plain" and not self.disturbed():
-            self.controller.record_startup(self.plan, context, time.perf_counter() - began)
+            self.controller.record_startup(self.plan, context, time.perf_counter() - began + extra_s)
         return spec
 
     def begin(self, spec: Speculation) -> None:

@@ -211,9 +211,9 @@ class Memory:
     ssd_yield: Yield = field(default_factory=Yield)  # SSD's committed / modelled tokens per round
     tail: dict[str, TailShare] = field(default_factory=dict)  # per plan family (controller.family)
     clock: int = 0  # rounds recorded so far, every plan together: how old a measurement is
-    # measured / modelled seconds of a drafter's start (its prefill and first drafts): what a draft plan costs a
-    # call before its first round
-    startup: Ema = field(default_factory=lambda: Ema(outlier=None))
+    # measured / modelled seconds of a drafter's start (its prefill and first drafts), per plan family: what a draft
+    # plan costs a call before its first round (startup_ratio)
+    startup: dict[str, Ema] = field(default_factory=dict)
     # measured / modelled seconds of the target's verify in draft plans: how much faster the target's own forward
     # runs than its eager cost line (a compiled target), the best guide to a compiled plain step not yet measured
     verify: Ema = field(default_factory=Ema)
@@ -236,6 +236,19 @@ class Memory:
         ema = self.round_s.setdefault(plan, Ema())
         ema.add(seconds, count=count)
         ema.at = self.clock
+
+    def record_startup(self, fam: str, ratio: float) -> None:
+        self.startup.setdefault(fam, Ema(outlier=None)).add(ratio)
+
+    def startup_ratio(self, fam: str) -> float:
+        """Measured / modelled start of plan family `fam`; a family that has not started takes the largest ratio
+        measured (1 before any). Per family: a draft process prefills while the target does (Drafter.prepare), so
+        its starts cost a call far less than a synchronous draft's, and pooled, they priced that one too low."""
+        own = self.startup.get(fam)
+        if own is not None and own.value is not None:
+            return own.value
+        measured = [e.value for e in self.startup.values() if e.value is not None]
+        return max(measured) if measured else 1.0
 
     def end_call(self) -> None:
         """A generate() call ended: each plan's rounds in it become one call mean (Ema.settled)."""

@@ -43,6 +43,13 @@ class FallbackDrafter(Drafter):
             except Exception as exc:  # noqa: BLE001 - the draft side is advisory
                 self._fail(exc)
 
+    def prepare(self, prompt: torch.Tensor, mask: torch.Tensor) -> bool:
+        try:
+            return self.current.prepare(prompt, mask)
+        except Exception as exc:  # noqa: BLE001 - start() then runs the next drafter of the chain
+            self._fail(exc)
+            return False
+
     def begin(self, spec: Speculation) -> None:
         if self.needs_restart:
             return

@@ -2,7 +2,8 @@
 
 One round, as the engine sees it:
 
-    spec = drafter.start(prompt, mask)              # once: the first speculation
+    drafter.prepare(prompt, mask)                   # once, before the target's prefill (may start concurrently)
+    spec = drafter.start(prompt, mask)              # once, after it: the first speculation
     loop:
         drafter.begin(spec)                         # spec is about to be verified (concurrent drafters start work)
         verdict = <target verifies spec, tokens are committed>
@@ -34,6 +35,12 @@ class Drafter(ABC):
 
         prompt: [B, L] long, left-padded; mask: [B, L] (1 = real token). Returns a Speculation of B rows.
         """
+
+    def prepare(self, prompt: torch.Tensor, mask: torch.Tensor) -> bool:
+        """Called once before the target's prefill, with the arguments `start` will get. A drafter that runs
+        elsewhere (a draft process) begins its start here, so the draft's prefill overlaps the target's; True when
+        it did. The default does nothing: `start` then does all of it, after the target's prefill."""
+        return False
 
     def restart(self, contexts: list[torch.Tensor], masks: list[torch.Tensor]) -> Speculation:
         """Start over on committed tokens (after another drafter failed): contexts[b] is row b's 1D token history,

@@ -60,6 +60,7 @@ class Engine:
             setattr(self.stats, name, [0] * B)
         rows = torch.arange(B)  # original index of each active row
         positions = (mask.long().cumsum(dim=1) - 1).clamp_min(0)
+        self.drafter.prepare(prompt, mask)  # a draft process prefills while the target does
         if prompt.shape[1] > 1:
             self.target.forward(prompt[:, :-1], positions[:, :-1], mask[:, :-1].bool(), prefill=True)
         next_pos = positions[:, -1].to(self.target.device)

@@ -347,6 +347,7 @@ class ProcessDrafter(Drafter):
         self.remote_forwards = 0
         self.vocab, self.greedy = draft.vocab_size, greedy
         self.exchange: Exchange | None = None  # this generation's shared buffers (allocated at start)
+        self.starting: int | None = None  # the sequence number of a start sent by prepare(), not yet answered
         self.owned = process is None
         self.worker = DraftProcess(draft.kv.model) if process is None else process
         self.worker.acquire()  # one generation at a time; restarts a process an interrupted call left out of step
@@ -363,10 +364,22 @@ class ProcessDrafter(Drafter):
     def forwards(self) -> int:
         return self.remote_forwards
 
-    def start(self, prompt: torch.Tensor, mask: torch.Tensor) -> Speculation:
+    def prepare(self, prompt: torch.Tensor, mask: torch.Tensor) -> bool:
+        # The child prefills the draft while the parent prefills the target: a call's first token then waits for
+        # the slower of the two prefills, not their sum. start() collects the answer.
+        self.starting = self._send_start(prompt, mask)
+        return True
+
+    def _send_start(self, prompt: torch.Tensor, mask: torch.Tensor) -> int:
         # Copies: sending a CPU tensor moves its storage to shared memory in place (one open file per tensor in
         # the file_descriptor strategy), and the caller's input_ids must not be turned into that.
-        spec = self.worker.call("start", prompt.cpu().clone(), mask.cpu().clone())
+        return self.worker.send("start", prompt.cpu().clone(), mask.cpu().clone())
+
+    def start(self, prompt: torch.Tensor, mask: torch.Tensor) -> Speculation:
+        seq, self.starting = self.starting, None
+        if seq is None:  # not prepared (a restart after a fallback or a switch)
+            seq = self._send_start(prompt, mask)
+        spec = self.worker._answer("start", seq)
         # The rounds' buffers, sized for this batch, allocated and sent once (see Exchange).
         q_dtype = None if self.greedy else (torch.float32 if spec.q is None else spec.q.dtype)
         self.exchange = None
