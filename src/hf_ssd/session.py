@@ -16,6 +16,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 
 from hf_ssd.config import SSDConfig
 from hf_ssd.control.controller import Controller
+from hf_ssd.control.exploration import plain_measurement
 from hf_ssd.control.memory import memory_for
 from hf_ssd.control.costs import measure_costs
 from hf_ssd.control.drafter import ControlledDrafter, agreed
@@ -179,7 +180,7 @@ def run_session(
                                     "switches": [], "probe_s": round(controller.costs.probe_s, 4)}
                 _ask_for_process(draft, wanted, pooled, stats, first.plan)
                 controller.mark_compiled(first.plan)
-                measuring = controller.plain_measurement(first, horizon)
+                measuring = plain_measurement(controller, first, horizon)
                 if measuring is not None:  # plain observes no α: the draft reads it off the answer afterwards
                     model = quantized_draft(draft, "int8" if measuring.int8 else None)
                     stats.plain_probe = PlainProbe(DraftModel(model, 0, vocab, draft_processors, greedy, 1.0, None),

@@ -264,7 +264,7 @@ def test_an_untried_plan_needs_a_clear_gain_over_its_measured_siblings():
     """At the start of a call, a plan that never ran, in a family that has, is chosen over the measured plans only
     when predicted UNTRIED_GAIN faster: its prediction is the model, which is off by tens of percent for some
     shapes. With a clear gain it is still chosen (and then measured)."""
-    from hf_ssd.control.controller import UNTRIED_GAIN
+    from hf_ssd.control.exploration import UNTRIED_GAIN
 
     fresh = controller(costs(), alpha=0.8, allowed={"mode": ("sync",)})
     best = fresh.decide().plan
@@ -283,7 +283,7 @@ def test_a_drafting_family_that_never_ran_is_explored_once(split):
     """The first call runs the best prediction (SSD here). The next call runs the best sync plan, which has never
     run, if it is predicted within FAMILY_EXPLORE_WITHIN of the choice: its price came from the model and the
     other families' calibration. Once measured it is chosen on its measurement (here slower: SSD again)."""
-    from hf_ssd.control.controller import FAMILY_EXPLORE_WITHIN
+    from hf_ssd.control.exploration import FAMILY_EXPLORE_WITHIN
 
     ctl = controller(costs(split=split), alpha=0.8)
     first = ctl.decide().plan
@@ -326,7 +326,7 @@ def test_a_compiled_plain_loop_is_explored_once_like_a_drafting_family(compiled)
 def test_an_exploration_never_compiles(monkeypatch):
     """A family whose graphs are not built in this process is not explored, however cheap its compiles look spread
     over a long-running setting's future: a measurement is not worth a stall of seconds."""
-    from hf_ssd.control.controller import Horizon
+    from hf_ssd.control.decision import Horizon
     from hf_ssd.runtime import static_registry
 
     monkeypatch.setattr(static_registry, "COMPILE_SPENT", {"seconds": 30.0, "graphs": 10})
@@ -566,7 +566,7 @@ def test_a_static_sync_cache_is_not_retuned_past_its_size():
 def test_a_k_only_switch_is_not_charged_a_restart():
     """Pricing a switch: a plan that restarts the draft pays its prefill over what is left of the call; a
     synchronous plan with another K does not (it keeps the cache)."""
-    from hf_ssd.control.controller import Horizon, retunable
+    from hf_ssd.control.decision import Horizon, retunable
     from hf_ssd.control.memory import memory_for
 
     assert retunable(Plan("sync", 3), Plan("sync", 7))
@@ -892,7 +892,7 @@ def test_a_switch_to_uncompiled_shapes_pays_for_their_compiles(monkeypatch):
     a short call keeps the compiled plan, and a long-running setting compiles the faster one."""
     from hf_ssd.control import compiled as compiled_mod
     from hf_ssd.control.compiled import PLAIN_LOOP_PRIOR_GRAPHS, record_plain_loop_compile
-    from hf_ssd.control.controller import Horizon
+    from hf_ssd.control.decision import Horizon
     from hf_ssd.runtime import static_registry
 
     monkeypatch.setattr(compiled_mod, "_PLAIN_LOOP_S", {})
@@ -932,7 +932,7 @@ def test_graphs_built_on_caches_for_short_prompts_are_built_again_for_a_long_one
     on short prompts has no graphs for a call whose cache must be larger, and the controller prices their compiles
     (a larger cache serves a shorter call, up to REUSE_LARGER times the slots it needs)."""
     from hf_ssd.control.compiled import built, plan_graphs
-    from hf_ssd.control.controller import Horizon
+    from hf_ssd.control.decision import Horizon
     from hf_ssd.runtime import static_registry
 
     ssd = Plan("ssd", 4, 8, "process")
@@ -980,7 +980,7 @@ def test_plain_on_an_unmeasured_alpha_is_explored_and_then_left_alone():
     EXPLORE_ROUNDS drafting rounds, a call that would start plain runs the best drafting plan if it is predicted
     within EXPLORE_WITHIN of plain; not once α is measured, nor where drafting is predicted far slower, nor with a
     fixed α."""
-    from hf_ssd.control.controller import EXPLORE_ROUNDS
+    from hf_ssd.control.exploration import EXPLORE_ROUNDS
 
     c = costs(draft=(0.08, 0.0005), split=2.0)  # at α = 0.7 plain 9.8 tok/s, sync K=1 9.2: plain is the pick
     memory = Memory()

@@ -7,7 +7,9 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
 from hf_ssd.control import plain_acceptance
-from hf_ssd.control.controller import Controller, Horizon
+from hf_ssd.control.controller import Controller
+from hf_ssd.control.decision import Horizon
+from hf_ssd.control.exploration import plain_measurement
 from hf_ssd.control.memory import Memory
 from hf_ssd.control.plain_acceptance import PlainProbe, TargetTopProbs, answer_mask, measure
 from hf_ssd.control.plan import Acceptance, Plan
@@ -112,14 +114,14 @@ def test_a_close_plain_choice_asks_for_a_measurement():
     ctl = close_call_controller(Memory())
     first = ctl.decide(horizon=horizon)
     assert first.plan == Plan("plain") and first.drafting.plan.mode == "sync"
-    assert ctl.plain_measurement(first, horizon) == first.drafting.plan
+    assert plain_measurement(ctl, first, horizon) == first.drafting.plan
     # not with a fixed α, nor where the draft's forward over context and answer costs too much of the call
-    assert close_call_controller(Memory(), fixed_alpha=0.7).plain_measurement(first, horizon) is None
-    assert ctl.plain_measurement(first, Horizon(tokens=64, context=20_000)) is None
+    assert plain_measurement(close_call_controller(Memory(), fixed_alpha=0.7), first, horizon) is None
+    assert plain_measurement(ctl, first, Horizon(tokens=64, context=20_000)) is None
     # nor where drafting is far slower than plain: a better α would not change the choice
     useless = Controller(costs(draft=(0.3, 0.002), split=2.0), Memory(), 1, {}, prior=Acceptance(alpha=0.7))
     far = useless.decide(horizon=horizon)
-    assert far.plan == Plan("plain") and useless.plain_measurement(far, horizon) is None
+    assert far.plan == Plan("plain") and plain_measurement(useless, far, horizon) is None
 
 
 @pytest.mark.parametrize("do_sample,int8", [(False, False), (True, True)])

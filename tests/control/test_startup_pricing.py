@@ -7,7 +7,8 @@ import threading
 import pytest
 import torch
 
-from hf_ssd.control.controller import Controller, Horizon
+from hf_ssd.control.controller import Controller
+from hf_ssd.control.decision import Horizon
 from hf_ssd.control.memory import CallLength, Memory
 from hf_ssd.control.costs import Costs, Curve
 from hf_ssd.control.plan import Plan

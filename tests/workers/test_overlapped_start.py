@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import hf_ssd  # noqa: F401
-from hf_ssd.control.controller import Controller, Decision
+from hf_ssd.control.controller import Controller
+from hf_ssd.control.decision import Decision
 from hf_ssd.control.costs import Costs, Curve
 from hf_ssd.control.drafter import ControlledDrafter
 from hf_ssd.control.memory import Memory
@@ -81,6 +82,28 @@ def test_prefills_overlap_where_launches_bound_them_and_not_where_cores_do():
     assert _controller(compute_bound=True).prefill_overlap(PROCESS, 400) is None
     for plan in (Plan("sync", 4), Plan("ssd", 4, 6, "thread", threads=(1, 1)), Plan("plain")):
         assert _controller(compute_bound=False).prefill_overlap(plan, 400) is None
+    # a thread on its own CUDA stream (a GPU's costs have no split of the cores) overlaps too
+    gpu = _controller(compute_bound=False)
+    gpu.costs = Costs(1, gpu.costs.target_all, gpu.costs.draft_all, gpu.costs.target_all, gpu.costs.draft_all, None)
+    assert gpu.prefill_overlap(Plan("ssd", 4, 6, "thread"), 400) == pytest.approx(0.0)
+
+
+def test_a_thread_worker_on_a_cpu_starts_after_the_prefill(pair):
+    """Both sides would share the cores and the GIL: the thread worker overlaps only on its own CUDA stream."""
+    from hf_ssd.config import SSDConfig
+    from hf_ssd.draft.model import DraftModel
+    from hf_ssd.draft.saguaro import SaguaroDrafter
+    from hf_ssd.workers.thread import ThreadDrafter
+
+    target, draft, prompts, mask = pair
+    stats = SSDStats()
+    inner = SaguaroDrafter(DraftModel(draft, 2, 96, [], True, 1.0, None), SSDConfig(num_draft_tokens=4), stats, 6, True)
+    drafter = ThreadDrafter(inner, None)
+    try:
+        assert drafter.prepare(prompts, mask) is False
+        assert drafter.start(prompts, mask).tokens.shape[0] == 2
+    finally:
+        drafter.close()
 
 
 class Recorder(Drafter):

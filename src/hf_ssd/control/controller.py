@@ -4,7 +4,8 @@ Its inputs are the measured cost lines of the pair (control/costs.py), the accep
 bonus token's guessability r, the cache hit rate) and the round times each plan really took. Predictions come from
 control/plan.py; a plan that has run replaces its predicted round time by its measured one. What it learns
 (control/memory.py) is kept per (target, draft, device, batch size, greedy or sampled) for the life of the process,
-so a second generate() call starts from the first one's knowledge. A decision never changes the output law: every
+so a second generate() call starts from the first one's knowledge. Which plans a call runs to learn rather than
+because they are predicted fastest is control/exploration.py's. A decision never changes the output law: every
 plan is exact.
 """
 from __future__ import annotations
@@ -12,10 +13,12 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from hf_ssd.control.compiled import COMPILE_PRIOR_S, built, compile_share, graph_seconds, plan_graphs
 from hf_ssd.control.costs import Costs
+from hf_ssd.control.decision import Decision, Horizon, family, retunable, simpler
+from hf_ssd.control.exploration import alpha_exploration, family_exploration, untried_score
 from hf_ssd.control.memory import Memory, Tally
 from hf_ssd.control.plan import MAX_K, Acceptance, Plan, Prediction, candidates, predict, verify_s
 from hf_ssd.control.shortlist import candidates_key, make_shortlist
@@ -29,57 +32,11 @@ STALE_HALF_LIFE = 1024
 MAX_DRIFT = 0.75  # ... but never below this fraction of the measured round: drift is tens of percent, not more
 SWITCH_GAIN = 1.10  # switch mid-generation only for a predicted gain of 10% or more (timings are noisy)
 SIMPLER_WITHIN = 0.97  # prefer the simpler plan when the fancier one is predicted less than 3% faster
-# Plain decoding observes no acceptance: chosen on the prior α (or on a few unlucky rounds), it would be chosen
-# forever. Until α rests on this many drafting rounds, a call that would start plain runs the best drafting plan
-# instead, if that is predicted within EXPLORE_WITHIN of plain; its rounds measure α, and a mid-call decision
-# switches to plain where its rounds rule drafting out (SWITCH_OPTIMISM).
-EXPLORE_ROUNDS = 32
-EXPLORE_WITHIN = 0.80
-# A call that runs plain while drafting is predicted within MEASURE_WITHIN of it has its draft measure α along the
-# answer afterwards (control.plain_acceptance), if that costs at most MEASURE_SHARE of the call's decoding: the
-# next calls then decide on an α that plain calls keep up to date.
-MEASURE_WITHIN = 0.70
-MEASURE_SHARE = 0.05
 # pseudo-observations of the setting's pooled α behind this call's own acceptance (Controller.acceptance)
 CALL_ALPHA_WEIGHT = 8.0
 # A switch to plain mid-call is priced against the running plan at α this many posterior deviations above the call's
 # estimate (Controller._doubt): it lasts the rest of the call, so it waits for rounds that rule drafting out.
 SWITCH_OPTIMISM = 1.0
-# A plan's prediction before it ran is its family's calibrated model, and the model is off by tens of percent for
-# some shapes (a K=2 tree on a process, predicted 1% above the measured sync SD, ran at 0.63x of it). At the start
-# of a call an untried plan of a family that has run must be predicted UNTRIED_GAIN over the measured plans to be
-# chosen: it is measured once it runs, but that call pays for the model's error.
-UNTRIED_GAIN = 1.05
-# A drafting family (sync, SSD on a thread, SSD on a process) that has never run is priced by the model and the
-# other families' calibration, which misses what is its own: a compiled sync draft's single-row steps are faster
-# than the eager cost lines by more than an SSD tree is. Once the chosen plan's family has run, a drafting family
-# predicted within FAMILY_EXPLORE_WITHIN of it runs one call (its rounds then price it): unexplored, compiled sync
-# SD was priced at 182 tok/s, never ran, and ran at 215 where the chosen SSD plan ran at 173.
-FAMILY_EXPLORE_WITHIN = 0.85
-COMPLEXITY = {"plain": 0, "sync": 1, "ssd": 2}
-
-
-@dataclass(frozen=True)
-class Horizon:
-    """What is left of a call: `tokens` per row still to generate (at most), and the `context` per row (committed
-    tokens, left padding included) that a drafter starting now would prefill."""
-
-    tokens: int
-    context: int
-
-
-@dataclass
-class Decision:
-    plan: Plan
-    reason: str
-    table: list[Prediction]  # the best few alternatives, fastest first
-    drafting: Prediction | None = None  # the fastest drafting plan (sync or SSD), whatever was chosen
-    choice: Plan | None = None  # an exploration's: the plan it displaced (what the controller would run otherwise)
-
-    @property
-    def chosen(self) -> Plan:
-        """The controller's own choice: the plan run, or for an exploration of a family, the plan it displaced."""
-        return self.choice or self.plan
 
 
 class Controller:
@@ -271,13 +228,14 @@ class Controller:
             self.memory.record_startup(family(plan), seconds / modelled)
 
     def prefill_overlap(self, plan: Plan, context: int) -> float | None:
-        """Should `plan`'s drafter prefill while the target does (Drafter.prepare: a draft process can), each side
-        on its share of the cores? Returns what that adds to the target's prefill of `context` tokens per row
+        """Should `plan`'s drafter prefill while the target does (Drafter.prepare: a draft process can, and a thread
+        on its own CUDA stream), each side on its share of the cores? Returns what that adds to the target's prefill of `context` tokens per row
         (seconds, modelled), or None where it does not pay. It pays where the target's prefill on its share takes
         less than on every thread plus the draft's prefill after it: where launches bound the forwards (small
         models, a GPU) the draft's prefill hides for free, but on a CPU that a large prefill keeps busy, halving
         the target's cores costs more than the draft's prefill it hides."""
-        if plan.mode != "ssd" or plan.worker != "process":
+        on_own_stream = plan.worker == "thread" and self.costs.split is None  # a GPU (workers.thread)
+        if plan.mode != "ssd" or not (plan.worker == "process" or on_own_stream):
             return None
         split = self.costs.target(True)(context)
         alone = self.costs.target(False)(context)
@@ -365,7 +323,7 @@ class Controller:
         if current is not None and current == self.memory.exploring and not self.measured(current):
             return Decision(current, f"keeping {current.label}: exploring it, until its own rounds price it",
                             preds[:6], next((p for p in preds if p.plan.mode != "plain"), None))
-        score = ((lambda pred: self._untried_score(pred, ran)) if current is None
+        score = ((lambda pred: untried_score(self, pred, ran)) if current is None
                  else (lambda pred: pred.call_tokens_per_s))
         preds.sort(key=lambda x: -score(x))
         if full:
@@ -379,11 +337,11 @@ class Controller:
                 best = pred
         drafting = next((p for p in preds if p.plan.mode != "plain"), None)
         if current is None and best.plan.mode == "plain":
-            explore = self._exploration(preds, best, drafting)
+            explore = alpha_exploration(self, preds, best, drafting)
             if explore is not None:
                 return explore
         if current is None:
-            explore = self._family_exploration(preds, best, ran)
+            explore = family_exploration(self, preds, best, ran)
             if explore is not None:
                 return explore
         if current is not None and current.mode != "plain" and best.plan.mode == "plain":
@@ -396,7 +354,7 @@ class Controller:
                 return Decision(current, f"keeping {current.label}: {best.plan.label} is predicted "
                                          f"{best.call_tokens_per_s / max(now.call_tokens_per_s, 1e-9):.2f}x, under "
                                          f"the {SWITCH_GAIN:.2f}x needed to switch", preds[:6], drafting)
-        return Decision(best.plan, self._explain(best, preds), preds[:6], drafting)
+        return Decision(best.plan, self.explain(best, preds), preds[:6], drafting)
 
     def measured(self, plan: Plan) -> bool:
         ema = self.memory.round_s.get(plan)
@@ -405,40 +363,6 @@ class Controller:
     def _families_ran(self) -> set[str]:
         """The plan families with a measured plan."""
         return {family(p) for p in self.memory.round_s if self.measured(p)}
-
-    def _untried_score(self, pred: Prediction, ran: set[str]) -> float:
-        """The speed a call-start decision ranks `pred` by: its prediction, over UNTRIED_GAIN where the plan has not
-        run but its family has (`ran`; its siblings' measurements are the better evidence)."""
-        if family(pred.plan) not in ran or self.measured(pred.plan):
-            return pred.call_tokens_per_s
-        return pred.call_tokens_per_s / UNTRIED_GAIN
-
-    def _family_exploration(self, preds: list[Prediction], best: Prediction, ran: set[str]) -> Decision | None:
-        """The best plan of a drafting family that has never run (`ran`) nor been explored, where it is predicted
-        within FAMILY_EXPLORE_WITHIN of `best` and best's own family has run (the first call runs the best
-        prediction; the next ones try the families it left out, one call each, once)."""
-        if family(best.plan) not in ran:
-            return None
-        for pred in preds:  # fastest first
-            fam = family(pred.plan)
-            if fam in ran or fam in self.memory.explored:
-                continue
-            if pred.plan.mode == "plain" and not self.plain_compiled:  # priced by its own eager cost line
-                continue
-            # An exploration never compiles: a measurement is not worth a stall of seconds, however well the
-            # compile is spread over the setting's future (one explored compiled sync SD call took 14.7 s)
-            if pred.parts.get("compile", 0.0) > 0:
-                continue
-            if pred.call_tokens_per_s < FAMILY_EXPLORE_WITHIN * best.call_tokens_per_s:
-                return None
-            self.memory.explored.add(fam)
-            self.memory.exploring = pred.plan
-            reason = (f"exploring {pred.plan.label}: {fam} has not run here, and its prediction "
-                      f"({pred.call_tokens_per_s:.2f} tok/s, from the cost model) is within "
-                      f"{1 - FAMILY_EXPLORE_WITHIN:.0%} of the choice; {self._explain(best, preds)}")
-            table = [pred, *(p for p in preds[:6] if p is not pred)][:6]
-            return Decision(pred.plan, reason, table, pred, choice=best.plan)
-        return None
 
     def _doubt(self, current: Plan, plain: Prediction, preds: list[Prediction],
                drafting: Prediction | None) -> Decision | None:
@@ -463,35 +387,6 @@ class Controller:
                                  f"({hopeful.tokens_per_s:.2f} against plain's {plain.call_tokens_per_s:.2f} tok/s)",
                         preds[:6], drafting)
 
-    def _exploration(self, preds: list[Prediction], plain: Prediction,
-                     best: Prediction | None) -> Decision | None:
-        """`best` (the fastest drafting plan) instead of plain while α rests on too few rounds (EXPLORE_ROUNDS), if
-        it is predicted within EXPLORE_WITHIN of plain; None when α is known (measured, or fixed by the options)."""
-        if self.fixed_alpha is not None or self.memory.alpha_rounds >= EXPLORE_ROUNDS:
-            return None
-        if best is None or best.call_tokens_per_s < EXPLORE_WITHIN * plain.call_tokens_per_s:
-            return None
-        reason = (f"exploring {best.plan.label}: alpha rests on {self.memory.alpha_rounds} drafting rounds (plain "
-                  f"decoding measures none); {self._explain(plain, preds)}")
-        return Decision(best.plan, reason, preds[:6], best)
-
-    def plain_measurement(self, decision: Decision, horizon: Horizon) -> Plan | None:
-        """The drafting plan whose draft should measure α along the answer of a call that runs plain
-        (control.plain_acceptance), or None: only where drafting is predicted within MEASURE_WITHIN of plain (so a
-        better α could change the choice) and the draft's pass over the call's context and answer is predicted to
-        cost at most MEASURE_SHARE of the call's decoding. Never with a fixed α."""
-        plain, drafting = next((p for p in decision.table if p.plan == decision.plan), None), decision.drafting
-        if self.fixed_alpha is not None or plain is None or plain.plan.mode != "plain" or drafting is None:
-            return None
-        if drafting.call_tokens_per_s < MEASURE_WITHIN * plain.call_tokens_per_s:
-            return None
-        decoding_s = horizon.tokens * self.batch / max(plain.tokens_per_s, 1e-9)
-        ratio = self.memory.startup_ratio("sync")  # a pass of the draft alone, after the target's
-        forward_s = self.costs.draft(False, drafting.plan.int8)(horizon.context + horizon.tokens) * ratio
-        if forward_s > MEASURE_SHARE * decoding_s:
-            return None
-        return drafting.plan
-
     def process_option(self, chosen: Plan) -> Prediction | None:
         """The best process-worker plan when none is up yet, if it is predicted at least SWITCH_GAIN times faster
         than `chosen`: worth starting a kept process for (workers.pool). None when the options fix the worker."""
@@ -505,7 +400,7 @@ class Controller:
         now = self.predict(chosen)
         return best if best.tokens_per_s >= now.tokens_per_s * SWITCH_GAIN else None
 
-    def _explain(self, best: Prediction, preds: list[Prediction]) -> str:
+    def explain(self, best: Prediction, preds: list[Prediction]) -> str:
         acc = self.acceptance(best.plan.int8)
         runner_up = {m: next((p for p in preds if p.plan.mode == m), None) for m in ("plain", "sync", "ssd")}
         bits = [f"{best.plan.label}: predicted {best.tokens_per_s:.2f} tok/s{_with_startup(best)} at "
@@ -531,20 +426,3 @@ def _with_startup(pred: Prediction) -> str:
     compiling = pred.parts.get("compile", 0.0)
     what = f"its draft prefill and {compiling:.1f} s of compiling" if compiling > 0 else "its draft prefill"
     return f", {pred.call_tokens_per_s:.2f} over this call with {what} ({pred.startup_s:.1f} s)"
-
-
-def family(plan: Plan) -> str:
-    """Plans that share a calibration: a mode, and for SSD its worker (a process's hand-over, a thread's GIL)."""
-    return f"ssd:{plan.worker}" if plan.mode == "ssd" else plan.mode
-
-
-def retunable(running: Plan | None, other: Plan) -> bool:
-    """Can the running plan become `other` by changing K alone, keeping its draft's cache (no restart, no prefill;
-    draft.sync.SyncDrafter.retune)? Synchronous plans on the same draft and threads can."""
-    return (running is not None and running.mode == other.mode == "sync" and running.int8 == other.int8
-            and running.threads == other.threads)
-
-
-def simpler(a: Plan, b: Plan) -> bool:
-    """Is plan a simpler than plan b: an easier mode, or the same mode with a smaller speculation tree."""
-    return (COMPLEXITY[a.mode], a.budget) < (COMPLEXITY[b.mode], b.budget)

@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from hf_ssd.control.controller import Controller, Decision, Horizon, family, retunable
+from hf_ssd.control.controller import Controller
+from hf_ssd.control.decision import Decision, Horizon, family, retunable
 from hf_ssd.control.memory import Memory, TailShare
 from hf_ssd.control.plan import Plan
 from hf_ssd.core.ranks import distributed, from_rank0

@@ -220,7 +220,7 @@ class Memory:
     graphs: set = field(default_factory=set)  # compiled graphs the plans that ran have built (control.compiled)
     generated: float = 0.0  # tokens per row committed by the rounds recorded so far
     call_length: CallLength = field(default_factory=CallLength)  # how long calls run here (the horizon's tokens)
-    # plan families a call ran to measure them (Controller._family_exploration): each is explored once, however
+    # plan families a call ran to measure them (control.exploration.family_exploration): each is explored once, however
     # few rounds it then recorded; `exploring` is the plan such a call runs, kept mid-call until it is measured
     explored: set = field(default_factory=set)
     exploring: Plan | None = None

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from hf_ssd.config import SSDConfig
-    from hf_ssd.control.controller import family
+    from hf_ssd.control.decision import family
     from hf_ssd.control.explain import diagnose
     from hf_ssd.session import make_controller
     from hf_ssd.workers import pool

@@ -22,6 +22,7 @@ class ThreadDrafter(Drafter):
         self.inner = inner
         self.draft_threads = draft_threads
         self.pending: concurrent.futures.Future | None = None
+        self.starting: concurrent.futures.Future | None = None  # a start prepare() began on the draft's stream
         device = inner.draft.kv.device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.pool = concurrent.futures.ThreadPoolExecutor(
@@ -52,7 +53,19 @@ class ThreadDrafter(Drafter):
     def forwards(self) -> int:
         return self.inner.forwards
 
+    def prepare(self, prompt: torch.Tensor, mask: torch.Tensor) -> bool:
+        # On a GPU the draft prefills on its own stream while the target prefills on the caller's: the two sides'
+        # launches interleave. On a CPU they would share the cores and the GIL, so start() runs it after.
+        if self.stream is None:
+            return False
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))  # the prompt was made on that one
+        self.starting = self.pool.submit(self._on_stream, self.inner.start, prompt, mask)
+        return True
+
     def start(self, prompt: torch.Tensor, mask: torch.Tensor) -> Speculation:
+        starting, self.starting = self.starting, None
+        if starting is not None:
+            return self._sync(starting)
         # The prefill runs alone (the caller waits for it), so on the caller's threads, not the draft's share.
         threads = torch.get_num_threads()
         return self._sync(self.pool.submit(self._alone, threads, self.inner.start, prompt, mask))

@@ -1,0 +1,108 @@
+"""The controller's rules for running a plan to learn, not only because it is predicted fastest: the cost model
+and the acceptance it prices with are only as good as what has run, and a plan that never runs is never measured.
+
+At a call's start: plain decoding measures no α, so while α rests on few rounds a call that would start plain
+drafts instead (`alpha_exploration`); an untried plan of a family that has run needs a clear predicted gain over
+its measured siblings (`untried_score`); and a drafting family that has never run gets one call if it is predicted
+close to the choice (`family_exploration`). A call that runs plain may have its draft read α off the answer
+afterwards (`plain_measurement`). Every plan is exact: exploring costs speed, never the output law.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hf_ssd.control.decision import Decision, Horizon, family
+from hf_ssd.control.plan import Plan, Prediction
+
+if TYPE_CHECKING:
+    from hf_ssd.control.controller import Controller
+
+# Plain decoding observes no acceptance: chosen on the prior α (or on a few unlucky rounds), it would be chosen
+# forever. Until α rests on this many drafting rounds, a call that would start plain runs the best drafting plan
+# instead, if that is predicted within EXPLORE_WITHIN of plain; its rounds measure α, and a mid-call decision
+# switches to plain where its rounds rule drafting out (controller.SWITCH_OPTIMISM).
+EXPLORE_ROUNDS = 32
+EXPLORE_WITHIN = 0.80
+# A call that runs plain while drafting is predicted within MEASURE_WITHIN of it has its draft measure α along the
+# answer afterwards (control.plain_acceptance), if that costs at most MEASURE_SHARE of the call's decoding: the
+# next calls then decide on an α that plain calls keep up to date.
+MEASURE_WITHIN = 0.70
+MEASURE_SHARE = 0.05
+# A plan's prediction before it ran is its family's calibrated model, and the model is off by tens of percent for
+# some shapes (a K=2 tree on a process, predicted 1% above the measured sync SD, ran at 0.63x of it). At the start
+# of a call an untried plan of a family that has run must be predicted UNTRIED_GAIN over the measured plans to be
+# chosen: it is measured once it runs, but that call pays for the model's error.
+UNTRIED_GAIN = 1.05
+# A drafting family (sync, SSD on a thread, SSD on a process) that has never run is priced by the model and the
+# other families' calibration, which misses what is its own: a compiled sync draft's single-row steps are faster
+# than the eager cost lines by more than an SSD tree is. Once the chosen plan's family has run, a drafting family
+# predicted within FAMILY_EXPLORE_WITHIN of it runs one call (its rounds then price it): unexplored, compiled sync
+# SD was priced at 182 tok/s, never ran, and ran at 215 where the chosen SSD plan ran at 173.
+FAMILY_EXPLORE_WITHIN = 0.85
+
+
+def untried_score(ctl: Controller, pred: Prediction, ran: set[str]) -> float:
+    """The speed a call-start decision ranks `pred` by: its prediction, over UNTRIED_GAIN where the plan has not
+    run but its family has (`ran`; its siblings' measurements are the better evidence)."""
+    if family(pred.plan) not in ran or ctl.measured(pred.plan):
+        return pred.call_tokens_per_s
+    return pred.call_tokens_per_s / UNTRIED_GAIN
+
+
+def family_exploration(ctl: Controller, preds: list[Prediction], best: Prediction, ran: set[str]) -> Decision | None:
+    """The best plan of a drafting family that has never run (`ran`) nor been explored, where it is predicted
+    within FAMILY_EXPLORE_WITHIN of `best` and best's own family has run (the first call runs the best
+    prediction; the next ones try the families it left out, one call each, once)."""
+    if family(best.plan) not in ran:
+        return None
+    for pred in preds:  # fastest first
+        fam = family(pred.plan)
+        if fam in ran or fam in ctl.memory.explored:
+            continue
+        if pred.plan.mode == "plain" and not ctl.plain_compiled:  # priced by its own eager cost line
+            continue
+        # An exploration never compiles: a measurement is not worth a stall of seconds, however well the
+        # compile is spread over the setting's future (one explored compiled sync SD call took 14.7 s)
+        if pred.parts.get("compile", 0.0) > 0:
+            continue
+        if pred.call_tokens_per_s < FAMILY_EXPLORE_WITHIN * best.call_tokens_per_s:
+            return None
+        ctl.memory.explored.add(fam)
+        ctl.memory.exploring = pred.plan
+        reason = (f"exploring {pred.plan.label}: {fam} has not run here, and its prediction "
+                  f"({pred.call_tokens_per_s:.2f} tok/s, from the cost model) is within "
+                  f"{1 - FAMILY_EXPLORE_WITHIN:.0%} of the choice; {ctl.explain(best, preds)}")
+        table = [pred, *(p for p in preds[:6] if p is not pred)][:6]
+        return Decision(pred.plan, reason, table, pred, choice=best.plan)
+    return None
+
+
+def alpha_exploration(ctl: Controller, preds: list[Prediction], plain: Prediction,
+                 best: Prediction | None) -> Decision | None:
+    """`best` (the fastest drafting plan) instead of plain while α rests on too few rounds (EXPLORE_ROUNDS), if
+    it is predicted within EXPLORE_WITHIN of plain; None when α is known (measured, or fixed by the options)."""
+    if ctl.fixed_alpha is not None or ctl.memory.alpha_rounds >= EXPLORE_ROUNDS:
+        return None
+    if best is None or best.call_tokens_per_s < EXPLORE_WITHIN * plain.call_tokens_per_s:
+        return None
+    reason = (f"exploring {best.plan.label}: alpha rests on {ctl.memory.alpha_rounds} drafting rounds (plain "
+              f"decoding measures none); {ctl.explain(plain, preds)}")
+    return Decision(best.plan, reason, preds[:6], best)
+
+
+def plain_measurement(ctl: Controller, decision: Decision, horizon: Horizon) -> Plan | None:
+    """The drafting plan whose draft should measure α along the answer of a call that runs plain
+    (control.plain_acceptance), or None: only where drafting is predicted within MEASURE_WITHIN of plain (so a
+    better α could change the choice) and the draft's pass over the call's context and answer is predicted to
+    cost at most MEASURE_SHARE of the call's decoding. Never with a fixed α."""
+    plain, drafting = next((p for p in decision.table if p.plan == decision.plan), None), decision.drafting
+    if ctl.fixed_alpha is not None or plain is None or plain.plan.mode != "plain" or drafting is None:
+        return None
+    if drafting.call_tokens_per_s < MEASURE_WITHIN * plain.call_tokens_per_s:
+        return None
+    decoding_s = horizon.tokens * ctl.batch / max(plain.tokens_per_s, 1e-9)
+    ratio = ctl.memory.startup_ratio("sync")  # a pass of the draft alone, after the target's
+    forward_s = ctl.costs.draft(False, drafting.plan.int8)(horizon.context + horizon.tokens) * ratio
+    if forward_s > MEASURE_SHARE * decoding_s:
+        return None
+    return drafting.plan
