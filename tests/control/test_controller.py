@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hf_ssd.control import drafter as drafter_mod
+from hf_ssd.control.compiled import COMPILE_FREE_CALLS
 from hf_ssd.control.controller import Controller
 from hf_ssd.control.memory import Ema, Memory, TailShare
 from hf_ssd.control.costs import Costs, Curve
@@ -338,6 +339,7 @@ def test_an_exploration_never_compiles(monkeypatch):
         assert first.mode == "ssd"
         ctl.mark_compiled(first)
         _measured_as_modelled(ctl, first)
+        ctl.memory.calls = COMPILE_FREE_CALLS  # past the warm-up calls, which compile freely
         ctl.memory.generated = 1e6  # a long-running setting: a compile is a small share of its future
         second = ctl.decide(horizon=horizon)
         # eager: sync is explored as usual; compiled: its graphs (draft widths 1, 2) are not built
@@ -887,9 +889,10 @@ def test_decisions_take_a_bounded_share_of_the_rounds():
 
 def test_a_switch_to_uncompiled_shapes_pays_for_their_compiles(monkeypatch):
     """With compiled forwards, a plan whose shapes this process has not compiled builds its graphs when it starts
-    (seconds each). The first plan compiles whatever it is (the warm-up the user opted into); after that a switch
-    pays its compiles out of the call, spread over the call and as many tokens again as the setting has generated:
-    a short call keeps the compiled plan, and a long-running setting compiles the faster one."""
+    (seconds each). A setting's first COMPILE_FREE_CALLS calls compile whatever they choose (the warm-up the user
+    opted into); after that a switch pays its compiles out of the call, spread over the call and as many tokens
+    again as the setting has generated: a short call keeps the compiled plan, and a long-running setting compiles
+    the faster one."""
     from hf_ssd.control import compiled as compiled_mod
     from hf_ssd.control.compiled import PLAIN_LOOP_PRIOR_GRAPHS, record_plain_loop_compile
     from hf_ssd.control.decision import Horizon
@@ -905,6 +908,8 @@ def test_a_switch_to_uncompiled_shapes_pays_for_their_compiles(monkeypatch):
         horizon = Horizon(tokens=64, context=100)
         assert ctl.decide(horizon=horizon).plan == four  # nothing compiled yet: the best plan, no compile priced
         ctl.mark_compiled(one)  # ... but say sync K=1 ran first
+        assert ctl.decide(one, horizon).plan == four  # the warm-up calls compile whatever they choose
+        ctl.memory.calls = COMPILE_FREE_CALLS
         decision = ctl.decide(one, horizon)
         if not compiled:
             assert decision.plan == four  # eager forwards: nothing to compile, the faster plan
@@ -938,17 +943,17 @@ def test_graphs_built_on_caches_for_short_prompts_are_built_again_for_a_long_one
     ssd = Plan("ssd", 4, 8, "process")
     short = plan_graphs(ssd, True, True, max_length=200)  # 200 + 2*5 + 4*8 = 242 slots: a cache of 256
     assert all(built(g, set(short)) for g in plan_graphs(ssd, True, True, max_length=180))  # the same cache size
-    long = plan_graphs(ssd, True, True, max_length=700)  # 768 slots
+    long = plan_graphs(ssd, True, True, max_length=700)  # 742 slots: a cache of 1024
     assert not any(built(g, set(short)) for g in long)
     assert all(built(g, set(long)) for g in short)  # the registry lends the larger cache to a shorter call
-    huge = plan_graphs(ssd, True, True, max_length=1500)  # 1536 slots: more than 4x what a 200-token call needs
+    huge = plan_graphs(ssd, True, True, max_length=1500)  # a cache of 2048: more than 4x what a 200-token call needs
     assert not any(built(g, set(huge)) for g in short)
 
     def controller_for(max_length):
         return Controller(costs(), memory, 1, {"mode": ("ssd",), "K": (4,), "budget": 8}, fixed_alpha=0.9,
                           plain_compiled=True, draft_compiled=True, max_length=max_length)
 
-    memory = Memory()
+    memory = Memory(calls=COMPILE_FREE_CALLS)  # past the warm-up calls
     controller_for(200).mark_compiled(ssd)
     monkeypatch.setattr(static_registry, "COMPILE_SPENT", {"seconds": 30.0, "graphs": 10})  # 3 s per graph
     horizon = Horizon(tokens=64, context=100)

@@ -15,7 +15,7 @@ import statistics
 import time
 from dataclasses import replace
 
-from hf_ssd.control.compiled import COMPILE_PRIOR_S, built, compile_share, graph_seconds, plan_graphs
+from hf_ssd.control.compiled import COMPILE_FREE_CALLS, COMPILE_PRIOR_S, built, compile_share, graph_seconds, plan_graphs
 from hf_ssd.control.costs import Costs
 from hf_ssd.control.decision import Decision, Horizon, family, retunable, simpler
 from hf_ssd.control.exploration import alpha_exploration, family_exploration, untried_score
@@ -192,9 +192,9 @@ class Controller:
         self.memory.graphs |= self.graphs(plan, in_loop)
 
     def compile_s(self, plan: Plan, horizon: Horizon, in_loop: bool) -> float:
-        """The share of compiling `plan`'s missing graphs this call pays (control.compiled); none before the
-        process's first plan compiled (the user's opted-in warm-up)."""
-        if not self.memory.graphs:
+        """The share of compiling `plan`'s missing graphs this call pays (control.compiled); none in the setting's
+        first COMPILE_FREE_CALLS calls (the user's opted-in warm-up)."""
+        if not self.memory.graphs or self.memory.calls < COMPILE_FREE_CALLS:
             return 0.0
         missing = {g for g in self.graphs(plan, in_loop) if not built(g, self.memory.graphs)}
         if not missing:

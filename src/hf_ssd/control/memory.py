@@ -219,6 +219,7 @@ class Memory:
     verify: Ema = field(default_factory=Ema)
     graphs: set = field(default_factory=set)  # compiled graphs the plans that ran have built (control.compiled)
     generated: float = 0.0  # tokens per row committed by the rounds recorded so far
+    calls: int = 0  # generate() calls that ended in this setting
     call_length: CallLength = field(default_factory=CallLength)  # how long calls run here (the horizon's tokens)
     # plan families a call ran to measure them (control.exploration.family_exploration): each is explored once, however
     # few rounds it then recorded; `exploring` is the plan such a call runs, kept mid-call until it is measured
@@ -252,6 +253,7 @@ class Memory:
 
     def end_call(self) -> None:
         """A generate() call ended: each plan's rounds in it become one call mean (Ema.settled)."""
+        self.calls += 1
         for ema in self.round_s.values():
             ema.end_call()
 

@@ -43,14 +43,21 @@ from hf_ssd.runtime.slot_step import SlotAttend, dense, slot_step
 from hf_ssd.runtime.static_registry import Entry, acquire, release
 
 COMPILE_ENABLED = True  # False: the static path runs eagerly even when compile is asked for (debugging, tests)
-BUCKET = 256  # M is rounded up to a multiple of this, so prompts of similar length share buffers and graphs
+BUCKET = 256  # the smallest M; larger ones are powers of two, so prompts of many lengths share buffers and graphs
 
 
 def static_cache_len(max_length: int, K: int, budget: int, bucket: int = BUCKET) -> int:
     """Slots a row needs: the longest sequence (prompt + new tokens), one round (glue K+1 + tree K*N) and a
-    round of margin, rounded up to a multiple of `bucket`."""
+    round of margin, rounded up to `bucket` times a power of two. Each cache size compiles its own graphs (seconds
+    per width on a CPU), and a free cache up to static_registry.REUSE_LARGER times larger serves a call: sizes in
+    steps of 256 made prompts of many lengths compile again (an SSD plan compiled on the overhead workload's short
+    MT-Bench prompts compiled for 10 s on its first HumanEval prompt), while powers of two need one or two sizes per
+    workload, for attention over at most twice the slots."""
     need = int(max_length) + 2 * (K + 1) + K * int(budget)
-    return -(-need // bucket) * bucket
+    size = bucket
+    while size < need:
+        size *= 2
+    return size
 
 
 # ---- the cache the draft side uses ----------------------------------------------------------------------------------
