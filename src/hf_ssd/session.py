@@ -16,6 +16,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 
 from hf_ssd.config import SSDConfig
 from hf_ssd.control.controller import Controller
+from hf_ssd.control.decision import Decision
 from hf_ssd.control.exploration import plain_measurement
 from hf_ssd.control.memory import memory_for
 from hf_ssd.control.costs import measure_costs
@@ -23,6 +24,7 @@ from hf_ssd.control.drafter import ControlledDrafter, agreed
 from hf_ssd.control.placement import choose_draft_device
 from hf_ssd.control.plain_acceptance import PlainProbe
 from hf_ssd.control.plan import MAX_K, Acceptance, Plan
+from hf_ssd.core.ranks import distributed
 from hf_ssd.draft.fallback import FallbackDrafter
 from hf_ssd.draft.model import DraftModel
 from hf_ssd.draft.protocol import Drafter
@@ -170,6 +172,15 @@ def run_session(
             stats.controller_memory = controller.memory  # generate() records the call's length in it
             horizon = controller.horizon(generation_config.max_length - P, P)
             first = agreed(controller.decide(horizon=horizon))
+            eager_config = config.updated(compile=False, compile_target=False)
+            eager = eager_call(controller, first, lambda: make_controller(
+                target, draft, B, greedy, eager_config, d_device, worker, pooled is not None,
+                max_length=generation_config.max_length), horizon)
+            if eager is not None:  # the compiled plans would compile: this call runs (and learns) as an eager one
+                controller, first = eager
+                config = eager_config
+                stats.controller_memory = controller.memory
+                stats.eager_call = True
             if pooled is None and worker is None and config.worker == "auto":
                 wanted = controller.process_option(first.chosen)
             if plain_hand_off and first.plan.mode == "plain":
@@ -208,6 +219,26 @@ def run_session(
     if stats.controller is not None:
         _ask_for_process(draft, wanted, pooled, stats, getattr(drafter, "plan", None))
     return rows, stats
+
+
+def eager_call(controller: Controller, first: Decision, make_eager, horizon) -> tuple[Controller, Decision] | None:
+    """(the eager setting's controller, its decision) for a call of a compiled setting whose chosen plan would compile
+    (control.compiled: after the setting's first calls, at a share of its compile time) where the eager setting's
+    best plan is predicted faster over this call; else None. A prompt longer than the static caches built so far
+    needs new graphs for every compiled plan: on the overhead workload a 1237-token prompt took 26 s where its eager
+    plans run in a fraction of a second. Not under torch.distributed (every rank would have to agree)."""
+    chosen = next((p for p in first.table if p.plan == first.plan), None)
+    if chosen is None or chosen.parts.get("compile", 0.0) <= 0 or distributed():
+        return None
+    eager = make_eager()
+    decision = eager.decide(horizon=horizon)
+    best = next((p for p in decision.table if p.plan == decision.plan), None)
+    if best is None or best.call_tokens_per_s <= chosen.call_tokens_per_s:
+        return None
+    decision.reason = (f"{decision.reason}; this call runs eagerly: the compiled {chosen.plan.label} would spend "
+                       f"{chosen.parts['compile']:.1f} s compiling ({chosen.call_tokens_per_s:.2f} tok/s over the "
+                       f"call)")
+    return eager, decision
 
 
 def _ask_for_process(draft, wanted, pooled, stats: SSDStats, chosen: Plan | None) -> None:

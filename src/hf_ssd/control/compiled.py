@@ -21,7 +21,7 @@ COMPILE_PRIOR_S = 5.0  # seconds per graph until this process has measured one
 # workload's `ssd=True` kept running the first plan it had compiled (an SSD tree, or transformers' compiled plain
 # loop at 0.65x our compiled SD), and later compiled the plan it should have run from the start, in a timed call
 # that stalled 20 s.
-COMPILE_FREE_CALLS = 4
+COMPILE_FREE_CALLS = 6
 # transformers' compiled decode loop (a plain call on a compiled target) compiles far more than one of our
 # fixed-width forwards: about 21 s against 3 s on the overhead workload. Until a hand-off has measured it, it is
 # priced at this many of ours.

@@ -180,7 +180,7 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
         if rows is None:  # the controller chose plain decoding: transformers' own loop (it ends the streamer)
             handed_off = True
             _set_rng_state(input_ids.device, rng)  # the same seed gives plain generate()'s very samples
-            if config.compile_target:  # the user asked for a compiled target: plain on transformers' compiled path
+            if config.compile_target and not stats.eager_call:  # a compiled target: transformers' compiled path
                 why_not = use_static_cache(model, generation_config, model_kwargs)
                 stats.controller["reason"] += (" (static cache, compiled)" if why_not is None
                                                else f" (eager: a compiled plain loop could not be set up: {why_not})")

@@ -57,6 +57,7 @@ class SSDStats:
     fallback_reason: str | None = None  # set when the draft side failed and the exact sync path took over
     controller: dict | None = None  # the controller's choice, reasons, predictions and switches (mode="auto")
     controller_memory: Any = None  # what it learns (control.memory.Memory): plain steps, call lengths
+    eager_call: bool = False  # a compiled setting's call that ran eagerly (session.eager_call): no compiled loop
     plain_probe: Any = None  # a call handed to plain decoding: measures α along its answer (control.plain_acceptance)
     draft_static: bool = False  # the Saguaro draft side ran on the static, fixed-shape cache (ssd_compile)
     draft_compiled: bool = False  # ... and its glue and tree forwards ran as compiled graphs
@@ -148,6 +149,7 @@ class SSDStats:
             "backup_threshold": self.backup_threshold,
             "fallback_reason": self.fallback_reason,
             "controller": self.controller,
+            "eager_call": self.eager_call,
             "draft_static": self.draft_static,
             "draft_compiled": self.draft_compiled,
             "draft_compile_s": self.draft_compile_s,
