@@ -124,6 +124,21 @@ def test_a_close_plain_choice_asks_for_a_measurement():
     assert far.plan == Plan("plain") and plain_measurement(useless, far, horizon) is None
 
 
+def test_plain_calls_measure_alpha_once_every_few_calls():
+    """A measurement serves the calls after it: the next MEASURE_EVERY - 1 plain calls do not pay for another."""
+    from hf_ssd.control.exploration import MEASURE_EVERY
+
+    horizon = Horizon(tokens=64, context=100)
+    memory = Memory()
+    ctl = close_call_controller(memory)
+    first = ctl.decide(horizon=horizon)
+    measured = []
+    for _ in range(2 * MEASURE_EVERY):
+        measured.append(plain_measurement(ctl, first, horizon) is not None)
+        memory.end_call()
+    assert measured == ([True] + [False] * (MEASURE_EVERY - 1)) * 2
+
+
 @pytest.mark.parametrize("do_sample,int8", [(False, False), (True, True)])
 def test_a_plain_call_measures_alpha_and_its_output_stays_plains(monkeypatch, do_sample, int8):
     """End to end: the controller picks plain on a close call, transformers' loop makes exactly plain generate()'s

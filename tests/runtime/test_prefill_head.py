@@ -33,3 +33,35 @@ def test_prefill_skips_the_head_and_changes_nothing_after_it(arch, static):
     assert full.shape[1] == ids.shape[1] - 1
     torch.testing.assert_close(head[:, -1], full[:, -1])
     torch.testing.assert_close(after, reference)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_static_prefill_attends_over_the_slots_in_use_only(arch, monkeypatch):
+    """A static cache of 256 slots: the prompt's prefill reads the slots it writes (its keys are that long), the
+    next forward reads all of them, and the next logits equal a dynamic cache's."""
+    from hf_ssd.runtime import slot_step as slot_mod
+
+    model = get_pair(arch).target
+    ids, mask = left_pad([prompt(9, seed=33)[0], prompt(5, seed=34)[0]])
+    positions = (mask.long().cumsum(1) - 1).clamp_min(0)
+    read: list[int] = []
+    update = slot_mod.SlotLayer.update
+
+    def recording(self, *args, **kwargs):
+        keys, values = update(self, *args, **kwargs)
+        read.append(keys.shape[2])
+        return keys, values
+
+    monkeypatch.setattr(slot_mod.SlotLayer, "update", recording)
+    kv = StaticCachedModel(model, 2, 256)
+    try:
+        kv.forward(ids[:, :-1], positions[:, :-1], mask[:, :-1].bool(), prefill=True)
+        prefill_reads, read[:] = list(read), []
+        static_next = kv.forward(ids[:, -1:], positions[:, -1:])
+    finally:
+        kv.release()
+    assert set(prefill_reads) == {ids.shape[1] - 1}
+    assert set(read) == {256}
+    dynamic = CachedModel(model, 2)
+    dynamic.forward(ids[:, :-1], positions[:, :-1], mask[:, :-1].bool(), prefill=True)
+    torch.testing.assert_close(static_next, dynamic.forward(ids[:, -1:], positions[:, -1:]))

@@ -9,9 +9,11 @@ afterwards (`plain_measurement`). Every plan is exact: exploring costs speed, ne
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from hf_ssd.control.decision import Decision, Horizon, family
+from hf_ssd.control.plain_acceptance import CHUNK
 from hf_ssd.control.plan import Plan, Prediction
 
 if TYPE_CHECKING:
@@ -24,10 +26,15 @@ if TYPE_CHECKING:
 EXPLORE_ROUNDS = 32
 EXPLORE_WITHIN = 0.80
 # A call that runs plain while drafting is predicted within MEASURE_WITHIN of it has its draft measure α along the
-# answer afterwards (control.plain_acceptance), if that costs at most MEASURE_SHARE of the call's decoding: the
-# next calls then decide on an α that plain calls keep up to date.
+# answer afterwards (control.plain_acceptance), if that costs at most MEASURE_SHARE of the decoding of the calls it
+# serves (itself and the MEASURE_EVERY - 1 after it): the next calls then decide on an α that plain calls keep up to
+# date.
 MEASURE_WITHIN = 0.70
 MEASURE_SHARE = 0.05
+# ... and at most once every MEASURE_EVERY calls: α moves with the prompts, not from call to call, and a pass after
+# every plain call (five launch-bound draft forwards, priced as one) took 11-16 ms of the overhead workload's
+# 0.4 s plain calls, where `ssd=True` running plain has nothing else to lose against plain generate()
+MEASURE_EVERY = 4
 # A plan's prediction before it ran is its family's calibrated model, and the model is off by tens of percent for
 # some shapes (a K=2 tree on a process, predicted 1% above the measured sync SD, ran at 0.63x of it). At the start
 # of a call an untried plan of a family that has run must be predicted UNTRIED_GAIN over the measured plans to be
@@ -93,16 +100,21 @@ def alpha_exploration(ctl: Controller, preds: list[Prediction], plain: Predictio
 def plain_measurement(ctl: Controller, decision: Decision, horizon: Horizon) -> Plan | None:
     """The drafting plan whose draft should measure α along the answer of a call that runs plain
     (control.plain_acceptance), or None: only where drafting is predicted within MEASURE_WITHIN of plain (so a
-    better α could change the choice) and the draft's pass over the call's context and answer is predicted to
-    cost at most MEASURE_SHARE of the call's decoding. Never with a fixed α."""
+    better α could change the choice), at most once every MEASURE_EVERY calls, and where the draft's pass over the
+    call's context and answer is predicted to cost at most MEASURE_SHARE of those calls' decoding. Never with a
+    fixed α."""
     plain, drafting = next((p for p in decision.table if p.plan == decision.plan), None), decision.drafting
     if ctl.fixed_alpha is not None or plain is None or plain.plan.mode != "plain" or drafting is None:
         return None
     if drafting.call_tokens_per_s < MEASURE_WITHIN * plain.call_tokens_per_s:
         return None
+    if ctl.memory.calls < ctl.memory.plain_measured_call + MEASURE_EVERY:
+        return None
     decoding_s = horizon.tokens * ctl.batch / max(plain.tokens_per_s, 1e-9)
     ratio = ctl.memory.startup_ratio("sync")  # a pass of the draft alone, after the target's
-    forward_s = ctl.costs.draft(False, drafting.plan.int8)(horizon.context + horizon.tokens) * ratio
-    if forward_s > MEASURE_SHARE * decoding_s:
+    draft = ctl.costs.draft(False, drafting.plan.int8)
+    pass_s = (draft(horizon.context) + math.ceil(horizon.tokens / CHUNK) * draft(CHUNK)) * ratio  # as measure() runs
+    if pass_s > MEASURE_SHARE * MEASURE_EVERY * decoding_s:  # its share of the calls it serves
         return None
+    ctl.memory.plain_measured_call = ctl.memory.calls
     return drafting.plan

@@ -220,6 +220,7 @@ class Memory:
     graphs: set = field(default_factory=set)  # compiled graphs the plans that ran have built (control.compiled)
     generated: float = 0.0  # tokens per row committed by the rounds recorded so far
     calls: int = 0  # generate() calls that ended in this setting
+    plain_measured_call: int = -(10**9)  # `calls` when a plain call last measured α (control.exploration)
     call_length: CallLength = field(default_factory=CallLength)  # how long calls run here (the horizon's tokens)
     # plan families a call ran to measure them (control.exploration.family_exploration): each is explored once, however
     # few rounds it then recorded; `exploring` is the plan such a call runs, kept mid-call until it is measured

@@ -38,6 +38,9 @@ class SlotLayer(StaticLayer):
     def __init__(self, max_cache_len: int, pointer: Pointer):
         super().__init__(max_cache_len=max_cache_len)
         self.pointer = pointer
+        # while set, attention reads only the first `view` slots: an eager prefill attends over the slots written so
+        # far, not all M (a sync draft's cache has room for twice the call: its prefill read 2-4x the slots it needed)
+        self.view: int | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -47,6 +50,8 @@ class SlotLayer(StaticLayer):
         index = slots[:, None, :, None]
         self.keys.scatter_(2, index.expand(B, H, n, self.k_head_dim), key_states.to(self.keys.dtype))
         self.values.scatter_(2, index.expand(B, H, n, self.v_head_dim), value_states.to(self.values.dtype))
+        if self.view is not None:
+            return self.keys[:, :, :self.view], self.values[:, :, :self.view]
         return self.keys, self.values
 
 

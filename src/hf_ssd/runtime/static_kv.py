@@ -167,10 +167,25 @@ class StaticCachedModel:
         inputs = [dense(x) for x in (tokens, positions, new_valid, lim, branch, tree0)]
         args = (self.model, e.cache, self.cache_kw, e.w, e.valid, e.pos, e.alive, e.slot_ids, *inputs,
                 self.window, self.layer_types is not None, self.dtype, self.max_position)
-        logits = slot_step(*args, self.prefill_kw) if prefill else self._run(e, n, args)
+        logits = self._prefill(e, n, args) if prefill else self._run(e, n, args)
         self._bound += n
         self.forwards += 1
         return self._mine(logits)
+
+    def _prefill(self, e: Entry, n: int, args) -> torch.Tensor:
+        """An eager forward (the prompt) over the slots in use only: the first `_bound + n`, which hold every valid
+        slot and the new tokens' (the host bound: no read from the device). The mask, validity and positions are
+        views of those slots, and every layer's attention reads them alone (SlotLayer.view)."""
+        L = min(self.max_cache_len, self._bound + n)
+        model, cache, cache_kw, w, valid, pos, alive, slot_ids, *rest = args
+        for layer in cache.layers:
+            layer.view = L
+        try:
+            return slot_step(model, cache, cache_kw, w, valid[:, :L], pos[:, :L], alive, slot_ids[:L], *rest,
+                             self.prefill_kw)
+        finally:
+            for layer in cache.layers:
+                layer.view = None
 
     def _run(self, e: Entry, n: int, args) -> torch.Tensor:
         # The first forward of an entry is eager: the layers allocate (and mark static) their buffers outside a graph.
