@@ -172,13 +172,12 @@ def run_session(
             stats.controller_memory = controller.memory  # generate() records the call's length in it
             horizon = controller.horizon(generation_config.max_length - P, P)
             first = agreed(controller.decide(horizon=horizon))
-            eager_config = config.updated(compile=False, compile_target=False)
             eager = eager_call(controller, first, lambda: make_controller(
-                target, draft, B, greedy, eager_config, d_device, worker, pooled is not None,
-                max_length=generation_config.max_length), horizon)
+                target, draft, B, greedy, config.updated(compile=False, compile_target=False), d_device, worker,
+                pooled is not None, max_length=generation_config.max_length), horizon)
             if eager is not None:  # the compiled plans would compile: this call runs (and learns) as an eager one
                 controller, first = eager
-                config = eager_config
+                config = config.updated(compile=False, compile_target=False)
                 stats.controller_memory = controller.memory
                 stats.eager_call = True
             if pooled is None and worker is None and config.worker == "auto":

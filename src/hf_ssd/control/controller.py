@@ -15,7 +15,8 @@ import statistics
 import time
 from dataclasses import replace
 
-from hf_ssd.control.compiled import COMPILE_FREE_CALLS, COMPILE_PRIOR_S, built, compile_share, graph_seconds, plan_graphs
+from hf_ssd.control.compiled import (COMPILE_FREE_CALLS, COMPILE_PRIOR_S, built, compile_share, graph_seconds,
+                                     plan_graphs)
 from hf_ssd.control.costs import Costs
 from hf_ssd.control.decision import Decision, Horizon, family, retunable, simpler
 from hf_ssd.control.exploration import alpha_exploration, family_exploration, untried_score
@@ -229,11 +230,11 @@ class Controller:
 
     def prefill_overlap(self, plan: Plan, context: int) -> float | None:
         """Should `plan`'s drafter prefill while the target does (Drafter.prepare: a draft process can, and a thread
-        on its own CUDA stream), each side on its share of the cores? Returns what that adds to the target's prefill of `context` tokens per row
-        (seconds, modelled), or None where it does not pay. It pays where the target's prefill on its share takes
-        less than on every thread plus the draft's prefill after it: where launches bound the forwards (small
-        models, a GPU) the draft's prefill hides for free, but on a CPU that a large prefill keeps busy, halving
-        the target's cores costs more than the draft's prefill it hides."""
+        on its own CUDA stream), each side on its share of the cores? Returns what that adds to the target's prefill
+        of `context` tokens per row (seconds, modelled), or None where it does not pay. It pays where the target's
+        prefill on its share takes less than on every thread plus the draft's prefill after it: where launches bound
+        the forwards (small models, a GPU) the draft's prefill hides for free, but on a CPU that a large prefill
+        keeps busy, halving the target's cores costs more than the draft's prefill it hides."""
         on_own_stream = plan.worker == "thread" and self.costs.split is None  # a GPU (workers.thread)
         if plan.mode != "ssd" or not (plan.worker == "process" or on_own_stream):
             return None
