@@ -3,6 +3,9 @@ prefill, the output stays plain generate()'s, and a start that fails in the chil
 controller overlaps only where it pays (Controller.prefill_overlap) and prices each family's starts apart."""
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import pytest
 import torch
 
@@ -148,3 +151,49 @@ def test_each_family_prices_its_own_starts():
     assert ctl.startup_s(PROCESS, 400) == pytest.approx(0.1 * ctl.startup_model(PROCESS, 400))
     assert ctl.startup_s(sync, 400) == pytest.approx(1.5 * ctl.startup_model(sync, 400))
     assert ctl.startup_s(thread, 400) == pytest.approx(1.5 * ctl.startup_model(thread, 400))
+
+
+def test_a_thread_worker_on_its_own_stream_starts_during_the_prefill(pair, monkeypatch):
+    """The GPU path's control flow, on a CPU with the CUDA stream calls stubbed: prepare() hands the start to the
+    draft's thread (ordered after the caller's stream) and start() returns what that thread made."""
+
+    from hf_ssd.config import SSDConfig
+    from hf_ssd.draft.model import DraftModel
+    from hf_ssd.draft.saguaro import SaguaroDrafter
+    from hf_ssd.workers.thread import ThreadDrafter
+
+    class Stream:
+        device = torch.device("cpu")
+
+        def __init__(self):
+            self.waited = 0
+
+        def wait_stream(self, other):
+            self.waited += 1
+
+    caller = Stream()
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: caller)
+    target, draft, prompts, mask = pair
+    inner = SaguaroDrafter(DraftModel(draft, 2, 96, [], True, 1.0, None), SSDConfig(num_draft_tokens=4), SSDStats(),
+                           6, True)
+    reference = SaguaroDrafter(DraftModel(draft, 2, 96, [], True, 1.0, None), SSDConfig(num_draft_tokens=4),
+                               SSDStats(), 6, True).start(prompts, mask)
+    drafter = ThreadDrafter(inner, None)
+    drafter.stream = Stream()
+    started_in: list[str] = []
+    start = inner.start
+
+    def recording_start(*args):
+        started_in.append(threading.current_thread().name)
+        return start(*args)
+
+    monkeypatch.setattr(inner, "start", recording_start)
+    try:
+        assert drafter.prepare(prompts, mask) is True
+        assert drafter.stream.waited == 1  # the draft's stream waits for the prompt on the caller's
+        spec = drafter.start(prompts, mask)
+    finally:
+        drafter.close()
+    assert len(started_in) == 1 and started_in[0].startswith("hf-ssd-draft")
+    assert torch.equal(spec.tokens, reference.tokens) and torch.equal(spec.n, reference.n)
