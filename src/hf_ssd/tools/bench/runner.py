@@ -375,4 +375,9 @@ NOTES = [
     "ssd:auto rows: controller_choice is the plan the last timed call ended on, controller_ended_on counts them over "
     "every timed call; each sample's `controller` keeps that call's own record (the plan it ended on, its first "
     "decision's reason and top 3 predictions, its switches).",
+    "ssd:auto rows learn alone: the controller keeps what it measures per set of constraining options, so the "
+    "hand-picked sd/ssd rows teach it nothing (since 2026-12-03). What the process shares with them is physical: "
+    "compiled graphs (the static caches' in this process, not those of the sd/ssd rows' own draft process) and "
+    "transformers' compiled plain loop that the plain:static-compile row's warm-up builds, which an "
+    "ssd:auto+compile call that hands off to plain reuses.",
 ]
