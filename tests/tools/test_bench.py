@@ -15,7 +15,8 @@ from hf_ssd.tools.bench.aggregate import add_speedups, aggregate_repeats, aggreg
 from hf_ssd.tools.bench.overhead import overhead_pair
 from hf_ssd.tools.bench.runner import DEFAULT_METHODS, Method, plan_methods, threads_for
 from hf_ssd.tools.bench.workload import load_bench_prompts, new_tokens
-from hf_ssd.tools.bench.simulate import PAPER, PaperAssumptions, measured_vs_predicted, paper_prediction, simulate
+from hf_ssd.tools.bench.simulate import (PAPER, PaperAssumptions, markdown, measured_vs_predicted, paper_prediction,
+                                         simulate)
 from hf_ssd.testing import byte_tokenizer, left_pad
 
 
@@ -205,7 +206,10 @@ def test_measured_vs_predicted_from_report():
     assert row["predicted_sd_tps"] == pytest.approx(3.0 / (0.2 + 0.4))
     # tree 0.1 < verify: 3 / (0.2 * (0.8 * 1 + 0.2 * 1.5))
     assert row["predicted_ssd_tps_parallel"] == pytest.approx(3.0 / (0.2 * (0.8 + 0.2 * 1.5)))
-    assert simulate(rep)["measured_vs_predicted"]
+    sim = simulate(rep, draft_costs=(0.29,))
+    assert sim["measured_vs_predicted"]
+    assert [r["alpha"] for r in sim["ceiling"]] == [1.0, 0.9, 0.8, 0.7]
+    assert "What SSD can gain over SD at best" in markdown(sim)
 
 
 def test_tiny_end_to_end(tmp_path):

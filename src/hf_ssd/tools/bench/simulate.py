@@ -1,4 +1,4 @@
-"""`hf-ssd simulate`: the speed model of docs/algorithm.md §6 (hf_ssd.core.speed_model), two ways.
+"""`hf-ssd simulate`: the speed model of docs/algorithm.md §6 (hf_ssd.core.speed_model), three ways.
 EVERY FIGURE HERE IS SIMULATED.
 
 1. measured vs predicted on this machine: read a bench.json, turn its SD/SSD round statistics into RoundTimings
@@ -8,6 +8,9 @@ EVERY FIGURE HERE IS SIMULATED.
    greedy, K=7, 24 branches): from published numbers (docs/algorithm.md §8: AR 54.7 tok/s, SD 161.8 tok/s,
    SSD 255.8 tok/s) plus stated assumptions, predict what our engine's algorithm would reach there and compare
    with the paper's 1.58× over SD and 4.68× over plain.
+3. the ceiling (hf_ssd.core.ceiling): what SSD can gain over synchronous SD at best, each at its best K, by
+   acceptance α, draft/verify cost ratio and cache hit rate, and the hit rate SSD needs to match SD or beat it by
+   1.2×.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from hf_ssd.core.ceiling import ceiling_rows
 from hf_ssd.core.speed_model import RoundTimings, expected_tokens_per_round, predict, sd_speedup, ssd_speedup
 
 LABEL = "SIMULATED"
@@ -187,12 +191,32 @@ def markdown(sim: dict[str, Any]) -> str:
     for ph in sorted({s["p_hit"] for s in p["sensitivity"]}):
         xs = [s for s in p["sensitivity"] if s["p_hit"] == ph]
         lines.append(f"| {ph:.0%} | " + " | ".join(f"{s['ssd_over_sd']:.2f}" for s in xs) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + ceiling_markdown(sim.get("ceiling") or [])) + "\n"
 
 
-def simulate(report: dict[str, Any] | None = None, assumptions: PaperAssumptions = PaperAssumptions()) -> dict:
+def ceiling_markdown(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    hits = list(rows[0]["ssd_over_sd"])
+    lines = ["", f"## What SSD can gain over SD at best ({LABEL}; hf_ssd.core.ceiling)", "",
+             "Each side at its best K <= 8. SSD's tree priced at K draft forwards whatever its width, hand-over and "
+             "backup free, a miss committing the bonus token alone: an upper bound under the speed model. "
+             "draft cost = one draft forward / one target verify.", "",
+             "| draft cost | α | SD ÷ AR (K) | " + " | ".join(f"SSD ÷ SD at hit {p:.0%} (K)" for p in hits)
+             + " | hit rate for SSD = SD | hit rate for 1.2x SD |",
+             "|---" * (5 + len(hits)) + "|"]
+    for r in rows:
+        cells = [f"{r['ssd_over_sd'][p]:.2f} ({r['ssd_K'][p]})" for p in hits]
+        need = [("unreachable" if x is None else f"{x:.0%}") for x in (r["hit_rate_for_1x"], r["hit_rate_for_1.2x"])]
+        lines.append(f"| {r['draft_cost']:g} | {r['alpha']:g} | {r['sd']:.2f} ({r['sd_K']}) | " + " | ".join(cells)
+                     + f" | {need[0]} | {need[1]} |")
+    return lines
+
+
+def simulate(report: dict[str, Any] | None = None, assumptions: PaperAssumptions = PaperAssumptions(),
+             draft_costs: tuple[float, ...] = (0.29, 0.1)) -> dict:
     return {"label": LABEL, "measured_vs_predicted": measured_vs_predicted(report) if report else [],
-            "paper": paper_prediction(assumptions)}
+            "paper": paper_prediction(assumptions), "ceiling": ceiling_rows(draft_costs=draft_costs)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -201,6 +225,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--p-hit", type=float, default=PaperAssumptions.p_hit, help="paper setting: assumed hit rate")
     p.add_argument("--draft-step-ms", type=float, default=PaperAssumptions.draft_step_ms,
                    help="paper setting: assumed Llama-3.2-1B step on one H100")
+    p.add_argument("--draft-costs", default="0.29,0.1",
+                   help="comma list of draft forward / target verify cost ratios for the ceiling table")
     p.add_argument("--out", help="directory for simulate.json and simulate.md (default: print only)")
 
 
@@ -211,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
     if args.bench_json and os.path.isfile(args.bench_json):
         with open(args.bench_json) as f:
             report = json.load(f)
-    sim = simulate(report, PaperAssumptions(p_hit=args.p_hit, draft_step_ms=args.draft_step_ms))
+    sim = simulate(report, PaperAssumptions(p_hit=args.p_hit, draft_step_ms=args.draft_step_ms),
+                   draft_costs=tuple(float(x) for x in args.draft_costs.split(",")))
     text = markdown(sim)
     print(text)
     if args.out:
