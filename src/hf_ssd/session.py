@@ -20,7 +20,7 @@ from hf_ssd.control.decision import Decision
 from hf_ssd.control.exploration import plain_measurement
 from hf_ssd.control.memory import memory_for
 from hf_ssd.control.costs import measure_costs
-from hf_ssd.control.drafter import ControlledDrafter, agreed
+from hf_ssd.control.drafter import ControlledDrafter, agreed, call_record
 from hf_ssd.control.placement import choose_draft_device
 from hf_ssd.control.plain_acceptance import PlainProbe
 from hf_ssd.control.plan import MAX_K, Acceptance, Plan
@@ -186,8 +186,7 @@ def run_session(
                 stats.mode, stats.worker = "plain", "inline"
                 for name in ("per_row_accepted", "per_row_rounds", "per_row_hits", "per_row_lookups"):
                     setattr(stats, name, [0] * B)  # one entry per row, as every other plan reports
-                stats.controller = {"choice": "plain", "reason": first.reason + "; ran transformers' own decoding loop",
-                                    "switches": [], "probe_s": round(controller.costs.probe_s, 4)}
+                stats.controller = call_record(controller, first, "; ran transformers' own decoding loop")
                 _ask_for_process(draft, wanted, pooled, stats, first.plan)
                 controller.mark_compiled(first.plan)
                 measuring = plain_measurement(controller, first, horizon)

@@ -632,6 +632,8 @@ def test_plain_choice_runs_transformers_own_loop(monkeypatch, do_sample):
     st = out.ssd_stats
     assert st["mode"] == "plain" and st["rounds"] == 0 and "transformers' own decoding loop" in st["controller"]["reason"]
     assert st["per_row"]["rounds"] == [0]  # one entry per row, as with every other plan
+    # the same controller record as a drafter's call (the decision is the test's, with an empty table)
+    assert st["controller"]["choice"] == "plain" and st["controller"]["predicted"] == []
     assert streamer.ends == 1 and streamer.puts[0] == ids[0].tolist()
     assert sum(streamer.puts[1:], []) == ref[0, ids.shape[1]:].tolist()
 

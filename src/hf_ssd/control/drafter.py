@@ -47,8 +47,7 @@ class ControlledDrafter(Drafter):
         self.max_length = max_length
         decision = decision or agreed(controller.decide())
         self.plan = decision.plan
-        self.record = {"choice": self.plan.label, "reason": decision.reason, "switches": [],
-                       "predicted": [_row(p) for p in decision.table], "probe_s": round(controller.costs.probe_s, 4)}
+        self.record = call_record(controller, decision)
         stats.controller = self.record
         # The prompt's prefills (the target's, then the draft's) run alone, on every thread the caller gave; the
         # plan's split of the cores starts with its rounds (start()).
@@ -225,6 +224,13 @@ def decision_due(rounds_since: int, seconds_since: float, decide_s: float) -> bo
 def agreed(decision: Decision) -> Decision:
     """Under torch.distributed (a tensor-parallel target), every rank takes rank 0's decision (core.ranks)."""
     return from_rank0(decision)
+
+
+def call_record(controller: Controller, decision: Decision, note: str = "") -> dict:
+    """What a call's stats say about the controller: the plan it started on, why, and what it predicted for each
+    plan (the same record whether the call then runs a drafter or hands plain decoding to transformers)."""
+    return {"choice": decision.plan.label, "reason": decision.reason + note, "switches": [],
+            "predicted": [_row(p) for p in decision.table], "probe_s": round(controller.costs.probe_s, 4)}
 
 
 def _row(pred) -> dict:
