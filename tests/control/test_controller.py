@@ -415,15 +415,19 @@ def test_guessability_is_learned_from_the_ranks():
 @pytest.mark.parametrize("worker", ["thread", "process"])
 def test_ssd_rounds_teach_the_controller_how_guessable_the_bonus_is(monkeypatch, worker):
     """The ranks an SSD drafter counts (in this process or in its worker process) reach the controller's memory."""
+    from hf_ssd.control import controller as ctl_mod
     from hf_ssd.control import memory as memory_mod
 
     monkeypatch.setattr(memory_mod, "_MEMORY", {})
+    # one plan throughout (K and budget chosen from a loaded machine's timings made too few rounds, or a switch)
+    monkeypatch.setattr(ctl_mod.Controller, "decide", lambda self, current=None, horizon=None: ctl_mod.Decision(
+        Plan("ssd", 2, 6, worker), "test: fixed", []))
     pair = get_pair("llama")
     ids, mask = left_pad([prompt(7, seed=3)[0]])
     ref = plain_generate(pair.target, ids, attention_mask=mask, max_new_tokens=24)
     out = pair.target.generate(ids, attention_mask=mask, assistant_model=pair.related, ssd=True, max_new_tokens=24,
                                do_sample=False, pad_token_id=0, ssd_mode="ssd", ssd_worker=worker,
-                               return_dict_in_generate=True)
+                               ssd_backup="ngram", return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
     (memory,) = memory_mod._MEMORY.values()
     assert memory.guessability.fit is not None
@@ -468,6 +472,8 @@ def switching(monkeypatch):
     monkeypatch.setattr(ctl_mod.Controller, "decide", decide)
     monkeypatch.setattr(drafter_mod, "CONFIRMATIONS", 1)
     monkeypatch.setattr(drafter_mod, "DECIDE_EVERY", 4)
+    # deciding's own measured time must not space decisions out (one stall in the fake decide skipped the rest)
+    monkeypatch.setattr(drafter_mod, "DECIDE_SHARE", 1e9)
 
 
 @pytest.mark.parametrize("alternate", [True, False])

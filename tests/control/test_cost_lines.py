@@ -73,22 +73,24 @@ def test_a_verify_that_costs_what_it_measures_moves_a_running_small_k_up():
     assert decide_from_K2(STRAIGHT).plan == Plan("sync", 2)
 
 
-def test_the_first_decode_forward_after_the_prefill_is_not_timed():
+def test_the_first_decode_forward_after_the_prefill_is_not_timed(monkeypatch):
     """The first forward of a new shape sets up its kernels: timed as the one-token width, it priced the default
-    pair's plain step 35% over what plain decoding then ran at. A slow first decode forward stays out of the curve."""
-    import time
+    pair's plain step 35% over what plain decoding then ran at. A slow first decode forward stays out of the curve.
+    A fake clock: every forward takes 1 ms of it, the first decode-shaped one 300 ms (a loaded machine's real clock
+    could stall any forward)."""
+    from types import SimpleNamespace
 
     from hf_ssd.testing import tiny_llama
 
     model = tiny_llama().eval()
-    widths = []
+    widths, clock = [], [0.0]
 
     def slow_first_decode(module, args, kwargs):
         widths.append(kwargs["input_ids"].shape[1])
-        if len(widths) == 2:  # the prefill, then the first decode-shaped forward
-            time.sleep(0.3)
+        clock[0] += 0.3 if len(widths) == 2 else 0.001  # the prefill, then the first decode-shaped forward
 
+    monkeypatch.setattr(costs_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     model.register_forward_pre_hook(slow_first_decode, with_kwargs=True)
     seconds = costs_mod.time_widths(model, 1, (1, 2))
     assert widths == [8, 1, 1, 2]
-    assert seconds[1] < 0.2
+    assert seconds == {1: pytest.approx(0.001), 2: pytest.approx(0.001)}

@@ -312,6 +312,7 @@ def rotating_controller_run(models, monkeypatch, plans: list, seed: int):
 
     monkeypatch.setattr(ctl_mod.Controller, "decide", decide)
     monkeypatch.setattr(drafter_mod, "DECIDE_EVERY", 1)
+    monkeypatch.setattr(drafter_mod, "DECIDE_SHARE", 1e9)  # every round decides, however long deciding took
     monkeypatch.setattr(drafter_mod, "CONFIRMATIONS", 1)
     target, draft = models
     counts, s = run_ssd(target, draft, [PROMPT_A], seed=seed, warp=dict(temperature=0.9), ssd_budget=None)

@@ -65,12 +65,14 @@ def test_greedy_identical_to_ssd_true(repo, models, batch):
 def test_sampling_and_options_pass_through(repo, models):
     target, draft, tok = models
     enc = tok("hello", return_tensors="pt")
-    kw = dict(max_new_tokens=12, do_sample=True, temperature=0.8, return_dict_in_generate=True, ssd_mode="sync")
+    # a whole plan (K and precision fixed): a controller choosing from timings could pick another K in one call
+    kw = dict(max_new_tokens=12, do_sample=True, temperature=0.8, return_dict_in_generate=True, ssd_mode="sync",
+              ssd_num_draft_tokens=3, ssd_draft_quantize=None)
     ref = target.generate(**enc, assistant_model=draft, ssd=True, generator=torch.Generator().manual_seed(3), **kw)
     with stock_transformers():
         out = target.generate(**enc, custom_generate=repo, trust_remote_code=True, assistant_model=draft,
                               generator=torch.Generator().manual_seed(3), **kw)
-    assert out.ssd_stats["mode"] == "sync"
+    assert out.ssd_stats["mode"] == "sync" and out.ssd_stats["controller"] is None is ref.ssd_stats["controller"]
     assert torch.equal(out.sequences, ref.sequences)
 
 

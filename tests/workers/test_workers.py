@@ -105,14 +105,14 @@ def test_fault_in_last_round(pair, monkeypatch):
     target, draft, prompts, mask = pair
     ref = target.generate(prompts[:1], attention_mask=mask[:1], max_new_tokens=20, do_sample=False)
     probe = target.generate(prompts[:1], attention_mask=mask[:1], max_new_tokens=20, do_sample=False,
-                            assistant_model=draft, **SSD, ssd_worker="thread", ssd_budget=6,
+                            assistant_model=draft, **SSD, ssd_worker="thread", ssd_budget=6, ssd_backup="ngram",
                             return_dict_in_generate=True)
-    last = probe.ssd_stats["rounds"]
+    last = probe.ssd_stats["rounds"]  # the same rounds below: the backup is fixed (the measured choice could differ)
     calls = _fail_at(monkeypatch, "begin", last)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = target.generate(prompts[:1], attention_mask=mask[:1], max_new_tokens=20, do_sample=False,
-                              assistant_model=draft, **SSD, ssd_worker="thread", ssd_budget=6)
+                              assistant_model=draft, **SSD, ssd_worker="thread", ssd_budget=6, ssd_backup="ngram")
     assert torch.equal(out, ref)
     # The last build may be cancelled before it starts (nobody needs it); if it ran and failed, we were told.
     warned = any("injected failure" in str(w.message) for w in caught)
