@@ -133,6 +133,32 @@ def test_static_cache_full_is_a_clear_error():
         sta.forward(torch.tensor([[5, 6, 7]]), torch.arange(6, 9)[None])
 
 
+def test_draft_graphs_drop_module_guards_where_torch_can():
+    """The draft's compiled steps skip dynamo's guards on the model's modules (a few percent of a small forward on
+    CPU); the target's keep every guard. CUDA graphs stay on with the guard filter (mode and options cannot both be
+    given to torch.compile)."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert static_registry.compile_kwargs(cpu) == {"fullgraph": True, "dynamic": False}
+    assert static_registry.compile_kwargs(cuda) == {"fullgraph": True, "dynamic": False, "mode": "reduce-overhead"}
+    skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
+    draft_cpu, draft_cuda = (static_registry.compile_kwargs(d, guard_modules=False) for d in (cpu, cuda))
+    if skip is None:
+        assert draft_cpu == static_registry.compile_kwargs(cpu)
+        return
+    assert draft_cpu["options"] == {"guard_filter_fn": skip} and "mode" not in draft_cpu
+    assert draft_cuda["options"] == {"triton.cudagraphs": True, "guard_filter_fn": skip}
+    # entries of the two kinds never serve each other
+    from hf_ssd.testing import tiny_llama
+
+    m = tiny_llama().eval()  # its own model: the shared pairs' registries are other tests' to check
+    unguarded = StaticCachedModel(m, 1, 64, guard_modules=False).entry
+    guarded = StaticCachedModel(m, 1, 64).entry
+    assert unguarded is not guarded and not unguarded.guard_modules and guarded.guard_modules
+    static_registry.release(unguarded)
+    static_registry.release(guarded)
+    assert StaticCachedModel(m, 1, 64, guard_modules=False).entry is unguarded
+
+
 def test_compile_option_is_validated():
     assert SSDConfig(compile="auto").compile == "auto"
     for bad in ("yes", 1, None):

@@ -118,6 +118,10 @@ def test_compiled_sd_and_target_no_breaks_no_recompiles(dynamo):
     entries = static_registry.registry_entries(p.target) + static_registry.registry_entries(p.related)
     assert {e.model_ref() for e in entries} == {p.target, p.related}
     assert all(e.compile_failed is None for e in entries)  # a failed compile runs eagerly: it must not hide here
+    # the draft's graphs skip dynamo's module guards (static_registry.compile_kwargs); the target's keep them all
+    # (other tests' direct StaticCachedModel entries of the same models are guarded: only compiled drafts are not)
+    assert all(e.guard_modules for e in entries if e.model_ref() is p.target)
+    assert any(not e.guard_modules and e.compiled_widths for e in entries if e.model_ref() is p.related)
 
 
 def test_process_worker_builds_the_compiled_tree():

@@ -78,7 +78,7 @@ def static_draft_cache(model: PreTrainedModel, config, batch: int, max_length: i
     try:
         # N + 1: the first tree step of a round that carries the tree over (K >= 2, see draft.static_saguaro)
         widths = (1, 2) if sync else (1, K + 1, N) + ((N + 1,) if K >= 2 else ())
-        kv = StaticCachedModel(model, batch, M, compile=True, hot_widths=widths)
+        kv = StaticCachedModel(model, batch, M, compile=True, hot_widths=widths, guard_modules=False)
     except (ValueError, TypeError, AttributeError) as exc:  # layouts CachedModel would also refuse, odd configs
         warnings.warn(f"hf_ssd: ssd_compile: the static draft cache does not support this model ({exc}); using the "
                       "dynamic cache.", RuntimeWarning, stacklevel=2)

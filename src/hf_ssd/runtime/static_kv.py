@@ -68,8 +68,11 @@ class StaticCachedModel:
     static = True
 
     def __init__(self, model: PreTrainedModel, batch_size: int, max_cache_len: int, compile: bool = False,
-                 hot_widths: tuple[int, ...] = ()):
+                 hot_widths: tuple[int, ...] = (), guard_modules: bool = True):
+        """guard_modules=False: compiled graphs skip dynamo's guards on the model's modules (the draft's; see
+        static_registry.compile_kwargs)."""
         self.model = model
+        self.guard_modules = guard_modules
         self.device = input_device(model)
         self.dtype = model.get_input_embeddings().weight.dtype
         self.layer_types, self.window = attention_layout(model)
@@ -92,7 +95,7 @@ class StaticCachedModel:
     @property
     def entry(self) -> Entry:
         if self._entry is None:
-            self._entry = acquire(self.model, self.batch, self.max_cache_len)
+            self._entry = acquire(self.model, self.batch, self.max_cache_len, self.guard_modules)
             self.max_cache_len = self._entry.max_cache_len  # a larger entry may serve (acquire)
             self._finalizer = weakref.finalize(self, release, self._entry)
         return self._entry
