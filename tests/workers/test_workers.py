@@ -64,6 +64,20 @@ def test_sampling_matches_inline_with_same_seed(pair, worker):
     no_leaks()
 
 
+def test_every_worker_learns_from_every_round(pair):
+    """The drafter learns from a round after answering it (the process worker's child once the parent has its
+    answer): the same estimates and ranks in every worker, the last round's included (the process reports it at
+    the generation's end)."""
+    target, draft, prompts, mask = pair
+    kw = dict(attention_mask=mask[:1], max_new_tokens=24, do_sample=False, assistant_model=draft, **SSD,
+              ssd_budget=6, ssd_backup="ngram", return_dict_in_generate=True)
+    learned = ("alpha", "power_r", "fanout_after_hit", "fanout_after_miss", "backup_rounds", "rounds")
+    stats = {w: target.generate(prompts[:1], ssd_worker=w, **kw).ssd_stats for w in WORKERS}
+    for w in WORKERS:
+        assert {n: stats[w][n] for n in learned} == {n: stats["inline"][n] for n in learned}, w
+    no_leaks()
+
+
 class Boom(RuntimeError):
     pass
 

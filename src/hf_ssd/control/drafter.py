@@ -131,6 +131,7 @@ class ControlledDrafter(Drafter):
 
     def close(self) -> None:
         self.current.close()
+        self._learn_guessability()  # the last rounds' ranks: the drafter learns from a round after answering it
 
     # ---- measuring ------------------------------------------------------------------------------------------------
     def _observe(self, verdict: Verdict, now: float) -> None:

@@ -57,6 +57,7 @@ class SaguaroDrafter(Drafter):
         self.backup = BackupPolicy(config)
         self.cache: SpeculationCache | None = None
         self.draft_span = None
+        self._unlearned: tuple | None = None  # the last resolved round, until settle() learns from it
         self._plan()
         stats.budget = budget
 
@@ -91,6 +92,7 @@ class SaguaroDrafter(Drafter):
 
     def begin(self, spec: Speculation) -> None:
         """Build the speculation cache for the outcomes of `spec` (the speculation now being verified)."""
+        self.settle()
         t0 = self.stats.now()
         kv, K = self.draft.kv, self.K
         self.spec = spec
@@ -124,7 +126,10 @@ class SaguaroDrafter(Drafter):
         kv, outcome = self.draft.kv, verdict.outcome
         k, bonus = outcome.accepted.to(kv.device), outcome.bonus.to(kv.device)
         hit, branch = self.cache.lookup(outcome)
-        self._learn(outcome, hit, verdict.verify_s)
+        self.backup.t_verify.add(verdict.verify_s)  # this round's backup choice weighs it (a host number)
+        # the rest is learned in settle(), once the next speculation is handed over (the process worker's child
+        # settles right after its answer; otherwise the next begin does): ~0.35 ms a round off the critical path
+        self._unlearned = (outcome, hit, self.spec, self.glue_scores)
         # Keep t_prev and the accepted drafts; rejected drafts and every tree branch become holes.
         kv.invalidate(self.glue_start + 1 + k)
         rows = verdict.keep.to(kv.device).nonzero().squeeze(1)
@@ -167,6 +172,10 @@ class SaguaroDrafter(Drafter):
         return DraftResult(Speculation.merge(parts, B), hits=hit.cpu(), backup=backup, draft_span=self.draft_span)
 
     def close(self) -> None:
+        try:
+            self.settle()  # the last round's outcome still counts in the stats
+        except Exception:  # noqa: BLE001 - a drafter that failed may fail to learn too; its stats are not the output
+            pass
         self.cache = None
 
     def _carry_over(self, hit: torch.Tensor, src_rows: torch.Tensor, branch: torch.Tensor, n: torch.Tensor,
@@ -176,10 +185,17 @@ class SaguaroDrafter(Drafter):
         forward recomputes those tokens); the static drafter keeps their KV and scores instead."""
 
     # ---- learning from outcomes ---------------------------------------------------------------------------------
-    def _learn(self, outcome: Outcome, hit: torch.Tensor, verify_s: float) -> None:
-        """Feed this round's outcomes to the fan-out estimators and the backup policy, then re-plan. One host read
-        per round, after the verify."""
-        spec, scores = self.spec, self.glue_scores
+    def settle(self) -> None:
+        """Learn from the last resolved round, if not done yet. Deferred from resolve so the next speculation goes
+        out first; the lookup's result does not depend on it, only the next tree's fan-out and the backup policy's
+        estimates (one round later than the outcome, whatever the worker: the same plans inline and in a process)."""
+        unlearned, self._unlearned = self._unlearned, None
+        if unlearned is not None:
+            self._learn(*unlearned)
+
+    def _learn(self, outcome: Outcome, hit: torch.Tensor, spec: Speculation, scores: torch.Tensor) -> None:
+        """Feed a round's outcomes (of `spec`, drafted from the glue `scores`) to the fan-out estimators and the
+        backup policy, then re-plan. One host read per round, after the verify."""
         device = scores.device
         k, bonus = outcome.accepted.to(device), outcome.bonus.to(device)
         rows = torch.arange(k.shape[0], device=device)
@@ -197,7 +213,6 @@ class SaguaroDrafter(Drafter):
                 self.stats.bonus_ranks[min(rank_b, RANK_FMAX)] += 1
             self.backup.tokens[SOURCE_NAMES[source]].add(kb + 1)
             self.backup.p_hit.add(float(hit_b))
-        self.backup.t_verify.add(verify_s)
         self.stats.alpha = round(self.planner.hit.alpha.value, 4)
         self.stats.power_r = round(self.planner.hit.miss.fit()[0], 4)
         self._plan()

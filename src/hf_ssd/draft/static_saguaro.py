@@ -216,6 +216,7 @@ class StaticSaguaroDrafter(SaguaroDrafter):
             self._hits = (rows, scores)
 
     def begin(self, spec: Speculation) -> None:
+        self.settle()  # the previous round's learning (host reads), before the hot path
         t0 = self.stats.now()
         self._bad = None
         forwards = self.K if self.carried is not None else self.K + 1

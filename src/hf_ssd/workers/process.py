@@ -152,6 +152,13 @@ def _serve(conn, model, quantize) -> None:
                 conn.send((seq, "ok", (*shape, result.backup, result.draft_span, info, drafter.forwards, compute_s,
                                        begin_end)))
                 begin_end = None
+                try:  # learning from the round, once the parent has its answer (off the round's critical path)
+                    drafter.settle()
+                except Exception:  # reported at the next request, which falls back
+                    failed = traceback.format_exc(limit=3)
+            elif cmd == "stats":  # the generation's end: the last round's learning, and the stats it changed
+                drafter.settle()
+                conn.send((seq, "ok", {name: getattr(stats, name) for name in SHARED_STATS}))
             else:
                 raise RuntimeError(f"unknown command {cmd!r}")
         except Exception:
@@ -417,9 +424,19 @@ class ProcessDrafter(Drafter):
         handover = max(0.0, time.perf_counter() - t0 - compute_s - waited)
         return DraftResult(spec, hits=hits, backup=backup, draft_span=draft_span, handover_s=handover)
 
+    def _final_stats(self) -> None:
+        """The stats the child's last round changed (it learns after answering); best effort, as closing is."""
+        try:
+            if self.worker.process.is_alive() and self.worker._broken is None and not self.worker.closed:
+                for name, value in self.worker.call("stats").items():
+                    setattr(self.stats, name, value)
+        except Exception:  # noqa: BLE001 - a failed child has nothing more to say; the output is complete
+            pass
+
     def close(self) -> None:
         self.exchange = None  # frees this generation's shared memory (and its file descriptors) in the parent
         try:
+            self._final_stats()
             if self.owned:
                 self.worker.close()
                 return
