@@ -95,6 +95,37 @@ def test_static_cache_matches_dynamic_cache(arch):
     assert sta.valid.shape == (2, 64)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_unpadded_prefill_runs_causal_and_matches_the_masked_one(arch, monkeypatch):
+    """An unpadded prefill of an empty cache passes no mask (SDPA's causal kernel: 1.5x faster on a 716-token
+    prompt) for the listed full-attention families; its logits and the decode step after it equal the masked
+    prefill's. A left-padded batch keeps the mask."""
+    from hf_ssd.runtime.kv import attention_layout
+
+    m = get_pair(arch).target
+    expected = m.config.model_type in static_kv.CAUSAL_PREFILL_MODELS and attention_layout(m) == (None, None)
+    flags = []
+    real = static_kv.slot_step
+    monkeypatch.setattr(static_kv, "slot_step", lambda *a, **k: flags.append(k.get("causal", False)) or real(*a, **k))
+    ids = prompt(12, seed=21)
+    step = torch.randint(2, 90, (1, 2), generator=torch.Generator().manual_seed(4))
+    out = {}
+    for listed in (True, False):
+        monkeypatch.setattr(static_kv, "CAUSAL_PREFILL_MODELS", static_kv.CAUSAL_PREFILL_MODELS if listed else ())
+        kv = StaticCachedModel(m, 1, 64)
+        first = kv.forward(ids, torch.arange(12)[None], prefill=True)
+        out[listed] = (first, kv.forward(step, torch.arange(12, 14)[None]))
+        kv.release()
+    assert flags == [expected, False, False, False]
+    torch.testing.assert_close(out[True], out[False], atol=2e-5, rtol=0)
+    flags.clear()
+    ids, mask = _batch()
+    kv = StaticCachedModel(m, 3, 64)
+    kv.forward(ids, (mask.cumsum(1) - 1).clamp_min(0), mask.bool(), prefill=True)
+    kv.release()
+    assert flags == [False]
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_static_tree_masks_equal_reference(seed):
     """The slot-space mask of tree step `step` is tree_attend's, row by row, with rows at different offsets."""

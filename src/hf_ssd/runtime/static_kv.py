@@ -36,6 +36,7 @@ import weakref
 
 import torch
 from transformers import PreTrainedModel
+from transformers.cache_utils import StaticLayer
 
 from hf_ssd.runtime import static_registry
 from hf_ssd.runtime.kv import attention_layout, cache_argument, input_device, position_limit, prefill_logits_argument
@@ -44,6 +45,9 @@ from hf_ssd.runtime.static_registry import Entry, acquire, release
 
 COMPILE_ENABLED = True  # False: the static path runs eagerly even when compile is asked for (debugging, tests)
 BUCKET = 256  # the smallest M; larger ones are powers of two, so prompts of many lengths share buffers and graphs
+# model families whose unpadded prefill runs with no mask (StaticCachedModel._plain_causal); each is checked against
+# the masked prefill in tests
+CAUSAL_PREFILL_MODELS = ("llama", "qwen2", "qwen3", "gpt2", "gpt_neox")
 
 
 def static_cache_len(max_length: int, K: int, budget: int, bucket: int = BUCKET) -> int:
@@ -181,14 +185,31 @@ class StaticCachedModel:
         views of those slots, and every layer's attention reads them alone (SlotLayer.view)."""
         L = min(self.max_cache_len, self._bound + n)
         model, cache, cache_kw, w, valid, pos, alive, slot_ids, *rest = args
+        causal = self._bound == 0 and self._plain_causal(rest[0], rest[2], rest[3])
         for layer in cache.layers:
             layer.view = L
         try:
             return slot_step(model, cache, cache_kw, w, valid[:, :L], pos[:, :L], alive, slot_ids[:L], *rest,
-                             self.prefill_kw)
+                             self.prefill_kw, causal=causal)
         finally:
             for layer in cache.layers:
                 layer.view = None
+
+    def _plain_causal(self, tokens: torch.Tensor, new_valid: torch.Tensor, lim: torch.Tensor) -> bool:
+        """May a prefill of an empty cache run with no mask (SDPA's causal kernel)? Only where the mask would be the
+        plain causal one: every row's tokens valid (no left padding) and alive, the default attention (lim = the
+        token's own slot), full attention in every layer (no window), a model family checked against the masked
+        path (tests/draft/test_static_draft.py), and a transformers that sizes the mask from the cache's layers."""
+        if self.window is not None or self.layer_types is not None:
+            return False
+        if getattr(self.model.config, "model_type", None) not in CAUSAL_PREFILL_MODELS:
+            return False
+        if not hasattr(StaticLayer, "get_mask_sizes"):
+            return False
+        e = self.entry
+        n = tokens.shape[1]
+        own_slot = e.w[:, None] + e.slot_ids[:n]
+        return bool(new_valid.all() and e.alive.all() and torch.equal(lim, own_slot))
 
     def _run(self, e: Entry, n: int, args) -> torch.Tensor:
         # The first forward of an entry is eager: the layers allocate (and mark static) their buffers outside a graph.
