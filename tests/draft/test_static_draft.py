@@ -123,7 +123,10 @@ def test_unpadded_prefill_runs_causal_and_matches_the_masked_one(arch, monkeypat
     kv = StaticCachedModel(m, 3, 64)
     kv.forward(ids, (mask.cumsum(1) - 1).clamp_min(0), mask.bool(), prefill=True)
     kv.release()
-    assert flags == [False]
+    kv = StaticCachedModel(m, 1, 64)  # positions that are not the slots' order (a context resumed mid-sequence)
+    kv.forward(prompt(12, seed=21), torch.arange(5, 17)[None], prefill=True)
+    kv.release()
+    assert flags == [False, False]
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -185,7 +185,7 @@ class StaticCachedModel:
         views of those slots, and every layer's attention reads them alone (SlotLayer.view)."""
         L = min(self.max_cache_len, self._bound + n)
         model, cache, cache_kw, w, valid, pos, alive, slot_ids, *rest = args
-        causal = self._bound == 0 and self._plain_causal(rest[0], rest[2], rest[3])
+        causal = self._bound == 0 and self._plain_causal(*rest[:4])
         for layer in cache.layers:
             layer.view = L
         try:
@@ -195,9 +195,11 @@ class StaticCachedModel:
             for layer in cache.layers:
                 layer.view = None
 
-    def _plain_causal(self, tokens: torch.Tensor, new_valid: torch.Tensor, lim: torch.Tensor) -> bool:
+    def _plain_causal(self, tokens: torch.Tensor, positions: torch.Tensor, new_valid: torch.Tensor,
+                      lim: torch.Tensor) -> bool:
         """May a prefill of an empty cache run with no mask (SDPA's causal kernel)? Only where the mask would be the
-        plain causal one: every row's tokens valid (no left padding) and alive, the default attention (lim = the
+        plain causal one: every row's tokens valid (no left padding), alive and at positions 0..n-1 (the slots'
+        order: a mask transformers builds from the positions is then the same), the default attention (lim = the
         token's own slot), full attention in every layer (no window), a model family checked against the masked
         path (tests/draft/test_static_draft.py), and a transformers that sizes the mask from the cache's layers."""
         if self.window is not None or self.layer_types is not None:
@@ -209,7 +211,8 @@ class StaticCachedModel:
         e = self.entry
         n = tokens.shape[1]
         own_slot = e.w[:, None] + e.slot_ids[:n]
-        return bool(new_valid.all() and e.alive.all() and torch.equal(lim, own_slot))
+        in_order = torch.equal(positions, e.slot_ids[:n].expand_as(positions))
+        return bool(new_valid.all() and e.alive.all() and in_order and torch.equal(lim, own_slot))
 
     def _run(self, e: Entry, n: int, args) -> torch.Tensor:
         # The first forward of an entry is eager: the layers allocate (and mark static) their buffers outside a graph.
