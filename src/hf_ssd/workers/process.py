@@ -424,24 +424,25 @@ class ProcessDrafter(Drafter):
         handover = max(0.0, time.perf_counter() - t0 - compute_s - waited)
         return DraftResult(spec, hits=hits, backup=backup, draft_span=draft_span, handover_s=handover)
 
-    def _final_stats(self) -> None:
-        """The stats the child's last round changed (it learns after answering); best effort, as closing is."""
-        try:
-            if self.worker.process.is_alive() and self.worker._broken is None and not self.worker.closed:
-                for name, value in self.worker.call("stats").items():
-                    setattr(self.stats, name, value)
-        except Exception:  # noqa: BLE001 - a failed child has nothing more to say; the output is complete
-            pass
+    def _answering(self) -> bool:
+        """Can the child still be asked something (alive, the pipe in step, not closed)?"""
+        worker = self.worker
+        return worker.process.is_alive() and worker._broken is None and not worker.closed
 
     def close(self) -> None:
         self.exchange = None  # frees this generation's shared memory (and its file descriptors) in the parent
         try:
-            self._final_stats()
+            try:  # the stats the child's last round changed (it learns after answering)
+                if self._answering():
+                    for name, value in self.worker.call("stats").items():
+                        setattr(self.stats, name, value)
+            except Exception:  # noqa: BLE001 - a failed child has nothing more to say; the output is complete
+                pass
             if self.owned:
                 self.worker.close()
                 return
             try:  # a kept worker stays up for the next generation, without this one's caches
-                if self.worker.process.is_alive() and self.worker._broken is None and not self.worker.closed:
+                if self._answering():
                     self.worker.call("release")
             except Exception:
                 pass
