@@ -122,6 +122,50 @@ def test_plan_methods():
     assert [m.name for m in plan_methods(BenchConfig(methods=("sd",), compile="on"), [])] == ["sd+compile"]
 
 
+def test_K_and_budget_sweeps_make_one_row_each_and_our_SD_is_its_best_K():
+    cfg = BenchConfig(methods=("plain", "hf", "hf:prompt-lookup", "sd", "ssd", "auto"), K=(2, 4), budget=(8, 16),
+                      hf_schedules=("constant", "default"), compile="on")
+    ms = plan_methods(cfg, ["process"])
+    assert [m.name for m in ms] == [
+        "plain", "hf:constant@K2", "hf:constant@K4", "hf:default", "hf:prompt-lookup@K2", "hf:prompt-lookup@K4",
+        "sd+compile@K2", "sd+compile@K4", "ssd:process+compile@K2b8", "ssd:process+compile@K2b16",
+        "ssd:process+compile@K4b8", "ssd:process+compile@K4b16", "ssd:auto+compile"]
+    by = {m.name: m for m in ms}
+    assert (by["ssd:process+compile@K4b8"].K, by["ssd:process+compile@K4b8"].budget) == (4, 8)
+    assert by["sd+compile@K2"].K == 2 and by["sd+compile@K2"].budget is None
+    assert by["hf:default"].K is None and by["ssd:auto+compile"].K is None  # these choose their own
+    one = plan_methods(BenchConfig(methods=("sd", "ssd"), K=3, budget=(8, 16)), ["inline"])
+    assert [m.name for m in one] == ["sd", "ssd:inline@b8", "ssd:inline@b16"] and one[0].K == 3
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    swept = config_from_args(p.parse_args(["--K", "2,3", "--budget", "16"]))
+    assert swept.K == (2, 3) and swept.budget == 16 and swept.K_values == (2, 3) and swept.budget_values == (16,)
+    rows = [{"setting": "paper", "temperature": 0.0, "batch_size": 1, "method": m, "tokens_per_s_decode": v,
+             "tokens_per_s_e2e": v} for m, v in [("plain", 2.0), ("sd+compile@K2", 5.0), ("sd@K4", 6.0),
+                                                 ("ssd:process+compile@K2b16", 9.0)]]
+    add_speedups(rows)
+    assert rows[3]["speedup_vs_sd"] == pytest.approx(1.5)  # against SD at its best K (6 tok/s), not at the same K
+
+
+
+def test_a_swept_K_and_budget_reach_the_engine(tmp_path):
+    """α = 1 (the overhead workload without noise): a round emits K + 1 tokens, so each row shows the K it ran."""
+    cfg = BenchConfig(workload="overhead", methods=("plain", "sd", "ssd"), workers=("inline",), K=(1, 3),
+                      budget=(2, 5), num_prompts=1, max_new_tokens=17, warmup=0, repeats=1, progress=False)
+    report = run_bench(cfg, command="pytest sweep")
+    write_report(report, tmp_path, plots=False)
+    assert validate_report(report) == [] and report["method_errors"] == {}
+    by = {r["method"]: r for r in report["results"]}
+    assert set(by) == {"plain", "sd@K1", "sd@K3", "ssd:inline@K1b2", "ssd:inline@K1b5", "ssd:inline@K3b2",
+                       "ssd:inline@K3b5"}
+    for name, r in by.items():
+        assert r["greedy_equal"] is True, name
+        if name != "plain":
+            assert r["mean_accepted_per_round"] == pytest.approx(r["K"], abs=0.5), name
+    assert by["ssd:inline@K3b5"]["budget"] == 5 and by["ssd:inline@K1b2"]["budget"] == 2
+
 def test_our_sd_is_its_best_compile_setting():
     rows = [{"setting": "paper", "temperature": 0.0, "batch_size": 1, "prompt_set": "humaneval", "method": m,
              "tokens_per_s_decode": v, "tokens_per_s_e2e": v}

@@ -7,7 +7,7 @@ from typing import Any
 
 TPS_METRICS = ("tokens_per_s_decode", "tokens_per_s_e2e")
 PLAIN_METHODS = ("plain", "plain:static-compile")  # "best plain" = the faster of these two in a group
-SD_METHODS = ("sd", "sd+compile")  # "our SD" = the faster of these in a group
+SD_METHODS = ("sd", "sd+compile")  # "our SD" = the fastest of these (at any swept K: "sd@K3") in a group
 
 def safe_div(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0 or (isinstance(b, float) and math.isnan(b)):
@@ -118,7 +118,7 @@ def add_speedups(results: list[dict[str, Any]]) -> None:
     group, on decode tok/s and on end-to-end tok/s (suffix _e2e); the tok/s are medians over repeats.
     plain = eager plain generate(); best_plain = the faster of plain and plain:static-compile; hf_best = the fastest
     transformers speculative method of the group (assisted-generation schedules and prompt lookup); sd = our
-    synchronous SD at its best compile setting (the faster of sd and sd+compile)."""
+    synchronous SD at its best compile setting and K (the fastest of sd and sd+compile, at every K the run swept)."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in results:
         groups.setdefault((r["setting"], r["temperature"], r["batch_size"], r.get("prompt_set")), []).append(r)
@@ -127,7 +127,7 @@ def add_speedups(results: list[dict[str, Any]]) -> None:
             by = {r["method"]: r[metric] for r in rs}
             hf = [v for m, v in by.items() if m.startswith("hf:") and v]
             plains = [by[m] for m in PLAIN_METHODS if by.get(m)]
-            sds = [by[m] for m in SD_METHODS if by.get(m)]
+            sds = [v for m, v in by.items() if m.split("@")[0] in SD_METHODS and v]
             refs = {"plain": by.get("plain"), "best_plain": max(plains) if plains else None,
                     "hf_best": max(hf) if hf else None, "sd": max(sds) if sds else None}
             for r in rs:

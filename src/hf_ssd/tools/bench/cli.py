@@ -77,8 +77,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="our SD/SSD rows eager (off), compiled (on: ssd_compile + ssd_compile_target, static caches, "
                         "rows named '+compile', compiled in the warm-up) or both")
     g = p.add_argument_group("SSD / SD options")
-    g.add_argument("--K", type=int, default=4, help="draft tokens per round (also HF's num_assistant_tokens)")
-    g.add_argument("--budget", type=int, help="SSD branches per row (default: measured by the engine)")
+    g.add_argument("--K", type=_csv(int), default=(4,),
+                   help="draft tokens per round (also HF's num_assistant_tokens and prompt lookup's tokens); a comma "
+                        "list runs every method that drafts a fixed K once per K (rows named '@K3'), so each is "
+                        "compared at its best K")
+    g.add_argument("--budget", type=_csv(int), help="SSD branches per row (default: measured by the engine); a comma "
+                   "list runs the SSD rows once per budget (rows named '@K3b16' with several K, '@b16' with one)")
     g.add_argument("--downweight", type=float, default=1.0, help="Saguaro C in [0, 1]")
     g.add_argument("--draft-quantize", choices=["int8"], default=None,
                    help="int8 copy of the draft (CPU) for every method that drafts (HF assisted, SD, SSD)")
@@ -96,6 +100,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--out", default="benchmarks", help="output directory (bench.json, table.md, *.png)")
     g.add_argument("--no-plots", action="store_true")
     g.add_argument("--no-progress", action="store_true")
+
+
+def _one_or_all(values: tuple | None):
+    """A single value as itself (the report's config keeps its old form), several as the tuple to sweep."""
+    return values[0] if values and len(values) == 1 else values
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -120,8 +129,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         pair=args.pair, target=args.target, draft=args.draft, tiny=args.tiny, dtype=args.dtype,
         workload=args.workload, alpha_noise=args.alpha_noise,
-        max_prompt_tokens=args.max_prompt_tokens, methods=tuple(args.methods), workers=args.workers, compile=args.compile, K=args.K,
-        budget=args.budget, downweight=args.downweight, draft_quantize=args.draft_quantize, target_threads=args.target_threads,
+        max_prompt_tokens=args.max_prompt_tokens, methods=tuple(args.methods), workers=args.workers,
+        compile=args.compile, K=_one_or_all(args.K), budget=_one_or_all(args.budget), downweight=args.downweight,
+        draft_quantize=args.draft_quantize, target_threads=args.target_threads,
         draft_threads=args.draft_threads, seed=args.seed, progress=not args.no_progress, **base)
 
 

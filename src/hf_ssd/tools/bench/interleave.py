@@ -182,7 +182,7 @@ def _row(setting, temp, b, ps, m, cfg, per_rep, eqs, warmup_s, graphs) -> dict[s
         agg["graphs_compiled_in_timed_runs"] = graphs
     last = per_rep[-1][-1] if per_rep and per_rep[-1] else None
     row = {"setting": setting, "temperature": temp, "batch_size": b, "prompt_set": ps, "method": m.name,
-           "kind": m.kind, "option": m.option, "engine_compiled": m.engine_compiled,
+           "kind": m.kind, "option": m.option, "engine_compiled": m.engine_compiled, "K": m.K,
            "threads": last["threads"] if last else None, **agg}
     if m.kind == "auto":  # what the controller ran (last timed run) and why: the row's result depends on it
         control = ((last or {}).get("ssd_stats") or {}).get("controller") or {}

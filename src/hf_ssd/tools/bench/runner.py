@@ -73,8 +73,8 @@ class BenchConfig:
     batch_sizes: tuple[int, ...] = (1,)
     temperatures: tuple[float, ...] = (0.0,)
     settings: tuple[str, ...] = ("paper",)
-    K: int = 4
-    budget: int | None = None
+    K: int | tuple[int, ...] = 4  # several: one row per K for every method that drafts a fixed K (names "@K3")
+    budget: int | tuple[int, ...] | None = None  # SSD rows; several: one row per budget ("@K3b16"); None: measured
     downweight: float = 1.0
     draft_quantize: str | None = None  # "int8": every method that drafts uses the int8 copy of the draft
     target_threads: int | None = None  # parallel SSD workers only (default 1)
@@ -91,6 +91,14 @@ class BenchConfig:
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
+    @property
+    def K_values(self) -> tuple[int, ...]:
+        return tuple(self.K) if isinstance(self.K, (tuple, list)) else (self.K,)
+
+    @property
+    def budget_values(self) -> tuple[int | None, ...]:
+        return tuple(self.budget) if isinstance(self.budget, (tuple, list)) else (self.budget,)
+
 
 @dataclass(frozen=True)
 class Method:
@@ -98,6 +106,8 @@ class Method:
     kind: str  # plain | hf | sd | ssd | auto (generate(..., ssd=True) with no option: the controller decides)
     option: str | None = None  # static-compile, schedule, prompt-lookup or worker
     engine_compiled: bool = False  # our SD/SSD with ssd_compile + ssd_compile_target (name ends in "+compile")
+    K: int | None = None  # draft tokens a round (sd, ssd, hf:constant/heuristic/prompt-lookup); None: not fixed
+    budget: int | None = None  # SSD branches per row; None: the engine measures it
 
     @property
     def batch1_only(self) -> bool:
@@ -191,9 +201,9 @@ def generate_once(method: Method, target, draft, ids, mask, *, cfg: BenchConfig,
     if method.option == "static-compile":
         kw.update(cache_implementation="static", compile_config=static_compile_config(target))
     elif method.kind == "hf" and method.option == "prompt-lookup":
-        kw["prompt_lookup_num_tokens"] = cfg.K
+        kw["prompt_lookup_num_tokens"] = method.K
     elif method.kind == "hf":
-        saved = _set_hf_schedule(draft, method.option, cfg.K)
+        saved = _set_hf_schedule(draft, method.option, method.K or cfg.K_values[0])
         kw["assistant_model"] = draft
     elif method.kind == "auto":
         kw.update(assistant_model=draft, ssd=True)
@@ -203,12 +213,12 @@ def generate_once(method: Method, target, draft, ids, mask, *, cfg: BenchConfig,
         # ssd_draft_quantize=None: the draft exactly as every other method gets it (the bench applied
         # cfg.draft_quantize to it already), not the engine's own "auto" int8 choice
         kw.update(assistant_model=draft, ssd=True, ssd_mode="sync" if method.kind == "sd" else "ssd",
-                  ssd_num_draft_tokens=cfg.K, ssd_draft_quantize=None)
+                  ssd_num_draft_tokens=method.K, ssd_draft_quantize=None)
         if method.kind == "ssd":
             kept = process if method.option == "process" else None
             kw.update(ssd_worker=kept or method.option, ssd_downweight=cfg.downweight)
-            if cfg.budget is not None:
-                kw["ssd_budget"] = cfg.budget
+            if method.budget is not None:
+                kw["ssd_budget"] = method.budget
             if th["target"] is not None:
                 kw.update(ssd_target_threads=th["target"], ssd_draft_threads=th["draft"])
     if method.engine_compiled:  # static caches on both sides, fixed-width forwards compiled
@@ -235,11 +245,25 @@ def generate_once(method: Method, target, draft, ids, mask, *, cfg: BenchConfig,
 
 def plan_methods(cfg: BenchConfig, workers: list[str]) -> list[Method]:
     """cfg.methods -> Methods in table order: plain, plain:static-compile, hf schedules, hf:prompt-lookup, sd, ssd.
-    'hf' = every schedule in cfg.hf_schedules ('hf:<schedule>' names one), 'ssd' = every available worker."""
+    'hf' = every schedule in cfg.hf_schedules ('hf:<schedule>' names one), 'ssd' = every available worker.
+    Several K (and budgets): one row of each method that drafts a fixed K per K (SSD: per K and budget), named
+    "sd@K3", "ssd:process+compile@K3b16", so each method can be compared at its best K in one run."""
     known = {*METHOD_FAMILIES, *OPTIONAL_METHODS, *(f"hf:{s}" for s in HF_SCHEDULES)}
     unknown = [m for m in cfg.methods if m not in known]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; choose from {sorted(known)}")
+    Ks, budgets = cfg.K_values, cfg.budget_values
+    sweep_K, sweep_budget = len(Ks) > 1, len(budgets) > 1
+
+    def per_K(name: str, kind: str, option: str | None = None, compiled: bool = False,
+              with_budget: bool = False) -> list[Method]:
+        out = []
+        for K in Ks:
+            for b in (budgets if with_budget else (None,)):
+                tag = (f"K{K}" if sweep_K else "") + (f"b{b}" if with_budget and sweep_budget else "")
+                out.append(Method(name + (f"@{tag}" if tag else ""), kind, option, compiled, K, b))
+        return out
+
     ms: list[Method] = []
     if "plain" in cfg.methods:
         ms.append(Method("plain", "plain"))
@@ -247,15 +271,16 @@ def plan_methods(cfg: BenchConfig, workers: list[str]) -> list[Method]:
         ms.append(Method("plain:static-compile", "plain", "static-compile"))
     scheds = list(cfg.hf_schedules) if "hf" in cfg.methods else []
     scheds += [s for s in HF_SCHEDULES if f"hf:{s}" in cfg.methods and s not in scheds]
-    ms += [Method(f"hf:{s}", "hf", s) for s in scheds]
+    for s in scheds:  # "default" sets its own 20 tokens: K does not apply
+        ms += [Method(f"hf:{s}", "hf", s)] if "num_assistant_tokens" in HF_SCHEDULES[s] else per_K(f"hf:{s}", "hf", s)
     if "hf:prompt-lookup" in cfg.methods:
-        ms.append(Method("hf:prompt-lookup", "hf", "prompt-lookup"))
+        ms += per_K("hf:prompt-lookup", "hf", "prompt-lookup")
     variants = {"off": (False,), "on": (True,), "both": (False, True)}[cfg.compile]
     suffix = {False: "", True: "+compile"}
     if "sd" in cfg.methods:
-        ms += [Method("sd" + suffix[c], "sd", engine_compiled=c) for c in variants]
+        ms += [m for c in variants for m in per_K("sd" + suffix[c], "sd", compiled=c)]
     if "ssd" in cfg.methods:
-        ms += [Method(f"ssd:{w}" + suffix[c], "ssd", w, engine_compiled=c) for c in variants for w in workers]
+        ms += [m for c in variants for w in workers for m in per_K(f"ssd:{w}" + suffix[c], "ssd", w, c, True)]
     if "auto" in cfg.methods:  # +compile: ssd=True plus the two compile options; the controller still decides
         ms += [Method("ssd:auto" + suffix[c], "auto", engine_compiled=c) for c in variants]
     return ms
