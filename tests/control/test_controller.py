@@ -175,7 +175,7 @@ def test_only_rounds_of_the_whole_batch_price_a_plan():
     def observe(accepted: list[int], plan: Plan, last_start: float, now: float) -> None:
         rows = len(accepted)
         fake = SimpleNamespace(memory=memory, controller=controller, plan=plan, last_start=last_start,
-                               disturbed=lambda: False,
+                               disturbed=lambda: False, _compiled_lately=lambda: False,
                                spec=Speculation(torch.zeros(rows, 2, dtype=torch.long), torch.full((rows,), 2), None,
                                                 None))
         verdict = Verdict(Outcome(torch.tensor(accepted), torch.arange(rows)), torch.ones(rows, dtype=torch.bool),
@@ -195,6 +195,48 @@ def test_only_rounds_of_the_whole_batch_price_a_plan():
     # plain steps in our round loop (after a switch) are not the transformers loop a plain call runs: not recorded
     observe([0, 0, 0, 0], Plan("plain"), 0.0, 0.07)
     assert Plan("plain") not in memory.round_s and memory.clock == 1 and verifies == [0.01]
+
+
+
+def test_rounds_that_compiled_are_not_the_plans_price():
+    """A round in which our graphs compiled (in this process), or the draft's cache reports compile seconds (a draft
+    process's arrive one answer late), and the round after it, are not recorded: their time is the compiler's."""
+    from types import SimpleNamespace
+
+    from hf_ssd.control.drafter import ControlledDrafter
+    from hf_ssd.core.types import Outcome, Speculation, Verdict
+    from hf_ssd.runtime import static_registry
+    from hf_ssd.runtime.stats import SSDStats
+
+    memory = Memory()
+    controller = SimpleNamespace(batch=1, record_verify=lambda p, s: None, record_tokens=lambda p, tokens: None,
+                                 observe_acceptance=lambda accepted, rejected, int8: None)
+    fake = SimpleNamespace(memory=memory, controller=controller, plan=Plan("sync", 2), last_start=0.0,
+                           disturbed=lambda: False, stats=SSDStats(), compiled_last_round=False,
+                           spec=Speculation(torch.zeros(1, 2, dtype=torch.long), torch.full((1,), 2), None, None))
+    fake._compiles = lambda: ControlledDrafter._compiles(fake)
+    fake._compiled_lately = lambda: ControlledDrafter._compiled_lately(fake)
+    fake.compiles_seen = fake._compiles()
+    verdict = Verdict(Outcome(torch.tensor([2]), torch.tensor([5])), torch.ones(1, dtype=torch.bool), [], [], 0.01)
+
+    def rounds(n: int, seconds: float) -> None:
+        for _ in range(n):
+            ControlledDrafter._observe(fake, verdict, seconds)  # last_start stays 0: each round takes `seconds`
+            fake.last_start = 0.0
+
+    before = dict(static_registry.COMPILE_SPENT)
+    try:
+        static_registry.COMPILE_SPENT["graphs"] += 1  # the call's first round compiled a verify width
+        rounds(2, 3.0)  # this round and the next are not recorded (they would seed the average: its first rounds)
+        rounds(3, 0.010)
+        sync = memory.round_s[Plan("sync", 2)]
+        assert sync.n == 3 and sync.value == pytest.approx(0.01)
+        fake.stats.draft_compile_s = 2.5  # the draft process's answer says it compiled
+        rounds(2, 0.03)  # slower, yet not a stall the average would skip
+        rounds(1, 0.010)
+        assert sync.n == 4 and sync.value == pytest.approx(0.01)
+    finally:
+        static_registry.COMPILE_SPENT.update(before)
 
 
 @pytest.mark.parametrize("regime", ["compute-bound", "launch-bound"])
@@ -357,6 +399,35 @@ def test_a_family_is_explored_once_however_few_rounds_it_recorded():
     ctl.memory.record_round(explored.plan, ctl.model(explored.plan).round_s, count=1)
     assert ctl.decide().plan == first
 
+
+@pytest.mark.parametrize("cold", [0.9, 0.7])
+def test_a_plan_one_cold_call_measured_gets_a_second_look(cold):
+    """A plan that one call measured (its first: fresh graphs, a fresh draft process) at `cold` x the speed of the
+    choice runs one more call if that is within SECOND_LOOK_WITHIN; its cold call's mean is dropped, and the call
+    keeps it for SECOND_LOOK_ROUNDS of its rounds before the usual rules. Once per plan."""
+    from hf_ssd.control.exploration import SECOND_LOOK_ROUNDS, SECOND_LOOK_WITHIN
+
+    ctl = controller(costs(draft=(0.05, 0.001)), alpha=0.5, allowed={"mode": ("plain", "sync"), "K": (2,)})
+    plain, sync = Plan("plain"), Plan("sync", 2)
+    for _ in range(3):
+        ctl.memory.record_round(plain, ctl.model(plain).round_s, count=8)
+        ctl.memory.end_call()
+    slow = ctl.predict(sync).tokens_per_round / (cold * ctl.predict(plain).tokens_per_s)
+    ctl.memory.record_round(sync, slow, count=8)
+    ctl.memory.end_call()
+    decision = ctl.decide()
+    if cold < SECOND_LOOK_WITHIN:
+        assert decision.plan == plain
+        return
+    assert decision.plan == sync and decision.reason.startswith("a second look at sync K=2")
+    assert decision.chosen == plain and ctl.memory.round_s[sync].calls == []
+    for _ in range(SECOND_LOOK_ROUNDS - 1):  # still as slow as the cold call: kept until its own rounds say so
+        ctl.memory.record_round(sync, slow)
+        assert ctl.decide(current=sync).plan == sync
+    ctl.memory.record_round(sync, slow)
+    assert ctl.decide(current=sync).plan == plain
+    ctl.memory.end_call()
+    assert ctl.decide().plan == plain  # looked at twice, slower both times: not again
 
 def test_one_call_in_a_slow_spell_does_not_rule_a_plan_out():
     """A plan's price at the start of a call is the median of its last calls' mean round times: a call that ran
@@ -767,7 +838,7 @@ def test_rows_the_ngram_backup_served_leave_alpha_alone():
                                      (accepted, rejected, int8)))
     source = torch.tensor([SOURCE_CACHE, SOURCE_JIT, SOURCE_NGRAM])
     fake = SimpleNamespace(memory=Memory(), controller=controller, plan=Plan("ssd", 3, 8, "thread", int8=True),
-                           last_start=None, disturbed=lambda: False,
+                           last_start=None, disturbed=lambda: False, _compiled_lately=lambda: False,
                            spec=Speculation(torch.zeros(3, 3, dtype=torch.long), torch.tensor([3, 3, 3]), None, source))
     verdict = Verdict(Outcome(torch.tensor([3, 1, 0]), torch.tensor([5, 6, 7])), torch.tensor([True] * 3), [], [], 0.0)
     ControlledDrafter._observe(fake, verdict, 0.05)

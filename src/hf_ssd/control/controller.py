@@ -19,7 +19,8 @@ from hf_ssd.control.compiled import (COMPILE_FREE_CALLS, COMPILE_PRIOR_S, built,
                                      plan_graphs)
 from hf_ssd.control.costs import Costs
 from hf_ssd.control.decision import Decision, Horizon, family, retunable, simpler
-from hf_ssd.control.exploration import alpha_exploration, family_exploration, untried_score
+from hf_ssd.control.exploration import (alpha_exploration, family_exploration, second_look, still_exploring,
+                                        untried_score)
 from hf_ssd.control.memory import Memory, Tally
 from hf_ssd.control.plan import MAX_K, Acceptance, Plan, Prediction, candidates, predict, verify_s
 from hf_ssd.control.shortlist import candidates_key, make_shortlist
@@ -321,7 +322,7 @@ class Controller:
                     if compiling > 0:
                         pred.parts = {**pred.parts, "compile": compiling}
         ran = self._families_ran()
-        if current is not None and current == self.memory.exploring and not self.measured(current):
+        if current is not None and still_exploring(self, current):
             return Decision(current, f"keeping {current.label}: exploring it, until its own rounds price it",
                             preds[:6], next((p for p in preds if p.plan.mode != "plain"), None))
         score = ((lambda pred: untried_score(self, pred, ran)) if current is None
@@ -342,7 +343,7 @@ class Controller:
             if explore is not None:
                 return explore
         if current is None:
-            explore = family_exploration(self, preds, best, ran)
+            explore = family_exploration(self, preds, best, ran) or second_look(self, preds, best)
             if explore is not None:
                 return explore
         if current is not None and current.mode != "plain" and best.plan.mode == "plain":

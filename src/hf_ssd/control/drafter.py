@@ -18,6 +18,7 @@ from hf_ssd.control.plan import Plan
 from hf_ssd.core.ranks import distributed, from_rank0
 from hf_ssd.core.types import SOURCE_NGRAM, DraftResult, Speculation, Verdict
 from hf_ssd.draft.protocol import Drafter
+from hf_ssd.runtime import static_registry
 from hf_ssd.runtime.stats import SSDStats
 
 DECIDE_EVERY = 8  # rounds between re-decisions, at least, unless ...
@@ -64,6 +65,8 @@ class ControlledDrafter(Drafter):
         self.decided_at = 0  # self.rounds at the last decision
         self.pending: list[Plan] = []  # the other plans the latest decisions chose (CONFIRMATIONS)
         self.ranks_seen: list[int] = []  # stats.bonus_ranks when last read (_learn_guessability)
+        self.compiles_seen = self._compiles()
+        self.compiled_last_round = False
 
     @property
     def kind(self) -> str:
@@ -134,6 +137,21 @@ class ControlledDrafter(Drafter):
         self._learn_guessability()  # the last rounds' ranks: the drafter learns from a round after answering it
 
     # ---- measuring ------------------------------------------------------------------------------------------------
+    def _compiles(self) -> tuple:
+        """What has compiled so far: our graphs built in this process, and the seconds the draft's cache spent
+        compiling (a draft process's arrive with its answers)."""
+        return static_registry.COMPILE_SPENT["graphs"], self.stats.draft_compile_s
+
+    def _compiled_lately(self) -> bool:
+        """Did this round or the one before compile something? Either round's time is then the compiler's, not the
+        plan's: a draft process's compile in round r is reported with its answer, so it shows at round r + 1, whose
+        wait it lengthened. Recorded, a compiling call's rounds priced compiled sync SD at 26 ms a round against
+        16 ms on the overhead workload at α ≈ 0.7, and it was not run again for the rest of the bench."""
+        seen = self._compiles()
+        now, self.compiles_seen = seen != self.compiles_seen, seen
+        lately, self.compiled_last_round = now or self.compiled_last_round, now
+        return lately
+
     def _observe(self, verdict: Verdict, now: float) -> None:
         """Acceptance from this round's outcome; the plan's round time from one resolve's start to the next's, and
         its tokens per round, from rounds in which every row of the call was still decoding."""
@@ -156,7 +174,8 @@ class ControlledDrafter(Drafter):
         # 1.6x faster per step at batch 16 on the overhead workload. Mixed in, they made plain look slow for good.
         in_loop_plain = self.plan.mode == "plain"
         # disturbed: something else takes the hardware now (a kept process starting), so the time is not the plan's
-        if self.last_start is not None and not in_loop_plain and not self.disturbed():
+        compiled = self._compiled_lately()
+        if self.last_start is not None and not in_loop_plain and not compiled and not self.disturbed():
             seconds, measured = now - self.last_start, self.memory.round_s.get(self.plan)
             tail = self.memory.tail.setdefault(family(self.plan), TailShare())
             tail.add(seconds, k.numel() / self.controller.batch, None if measured is None else measured.value)

@@ -226,6 +226,7 @@ class Memory:
     # few rounds it then recorded; `exploring` is the plan such a call runs, kept mid-call until it is measured
     explored: set = field(default_factory=set)
     exploring: Plan | None = None
+    second_looks: set = field(default_factory=set)  # plans a call ran again after one cold call priced them
     shortlist: Shortlist | None = None  # the plans decisions predict between full evaluations (control.shortlist)
     decide_s: float = 0.0  # what the last decision took (ControlledDrafter spaces its decisions by it)
 
