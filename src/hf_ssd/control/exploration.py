@@ -4,8 +4,9 @@ and the acceptance it prices with are only as good as what has run, and a plan t
 At a call's start: plain decoding measures no α, so while α rests on few rounds a call that would start plain
 drafts instead (`alpha_exploration`); an untried plan of a family that has run needs a clear predicted gain over
 its measured siblings (`untried_score`); a drafting family that has never run gets one call if it is predicted
-close to the choice (`family_exploration`); and a plan that one call measured, cold, gets a second (`second_look`). A call that runs plain may have its draft read α off the answer
-afterwards (`plain_measurement`). Every plan is exact: exploring costs speed, never the output law.
+close to the choice (`family_exploration`); and a plan that one call measured, cold, gets a second (`second_look`).
+A call that runs plain may have its draft read α off the answer afterwards (`plain_measurement`). Every plan is
+exact: exploring costs speed, never the output law.
 """
 from __future__ import annotations
 
