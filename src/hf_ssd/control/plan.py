@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hf_ssd.control.costs import Costs
+from hf_ssd.core.ceiling import MAX_K  # the most drafts per round the controller considers
 from hf_ssd.core.fanout import expected_hit_rate, geometric_fanout
 from hf_ssd.core.speed_model import expected_tokens_per_round
 
@@ -21,7 +22,6 @@ MODES = ("plain", "sync", "ssd")
 # A process worker's hand-over per round (write the outcome to shared memory, wake the child, read its answer):
 # about 0.6 ms measured at batch 1 on the project's CPU; the controller replaces it by measured rounds once it runs.
 PROCESS_HANDOVER_S = 6e-4
-MAX_K = 8  # the most drafts per round the controller considers
 
 
 @dataclass(frozen=True)

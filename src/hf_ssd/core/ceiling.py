@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from hf_ssd.core.speed_model import expected_tokens_per_round, sd_speedup, ssd_speedup
 
-MAX_K = 8  # what the controller considers (control/plan.py)
+MAX_K = 8  # the most drafts per round the controller considers (control/plan.py uses this one)
 
 
 def best_sd(alpha: float, draft_cost: float, max_K: int = MAX_K) -> tuple[float, int]:
