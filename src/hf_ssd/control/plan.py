@@ -145,7 +145,7 @@ def candidates(costs: Costs, max_K: int = MAX_K, budgets: tuple[int, ...] = (2, 
             for worker in workers:
                 if worker == "process" and int8:
                     continue
-                # budgets below K + 1 too: the fan-out then covers the likeliest outcomes only, and near α = 1
-                # only k = K occurs, whose first guess is the bonus: a tree of 2 branches hits as well as one of 12
-                plans += [Plan("ssd", K, budget, worker, int8, costs.split) for budget in budgets]
+                # a budget covers the K + 1 outcomes (narrower trees as candidates: docs/controller.md, tried)
+                plans += [Plan("ssd", K, budget, worker, int8, costs.split) for budget in budgets
+                          if budget >= K + 1 or len(budgets) == 1]
     return plans
