@@ -86,13 +86,17 @@ def family_exploration(ctl: Controller, preds: list[Prediction], best: Predictio
         if pred.call_tokens_per_s < FAMILY_EXPLORE_WITHIN * best.call_tokens_per_s:
             return None
         ctl.memory.explored.add(fam)
-        ctl.memory.exploring = pred.plan
-        reason = (f"exploring {pred.plan.label}: {fam} has not run here, and its prediction "
-                  f"({pred.call_tokens_per_s:.2f} tok/s, from the cost model) is within "
-                  f"{1 - FAMILY_EXPLORE_WITHIN:.0%} of the choice; {ctl.explain(best, preds)}")
-        table = [pred, *(p for p in preds[:6] if p is not pred)][:6]
-        return Decision(pred.plan, reason, table, pred, choice=best.plan)
+        return _explore(ctl, pred, best, preds, f"exploring {pred.plan.label}: {fam} has not run here, and its "
+                        f"prediction ({pred.call_tokens_per_s:.2f} tok/s, from the cost model) is within "
+                        f"{1 - FAMILY_EXPLORE_WITHIN:.0%} of the choice")
     return None
+
+
+def _explore(ctl: Controller, pred: Prediction, best: Prediction, preds: list[Prediction], why: str) -> Decision:
+    """Run `pred`'s plan to measure it (kept mid-call while `still_exploring`), priced against `best`."""
+    ctl.memory.exploring = pred.plan
+    table = [pred, *(p for p in preds[:6] if p is not pred)][:6]
+    return Decision(pred.plan, f"{why}; {ctl.explain(best, preds)}", table, pred, choice=best.plan)
 
 
 def second_look(ctl: Controller, preds: list[Prediction], best: Prediction) -> Decision | None:
@@ -108,13 +112,10 @@ def second_look(ctl: Controller, preds: list[Prediction], best: Prediction) -> D
         if len(ema.calls) != 1 or ema.call_n or pred.parts.get("compile", 0.0) > 0:
             continue
         ctl.memory.second_looks.add(pred.plan)
-        ctl.memory.exploring = pred.plan
         ema.calls = []
-        reason = (f"a second look at {pred.plan.label}: one call measured it ({pred.call_tokens_per_s:.2f} tok/s, "
-                  f"within {1 - SECOND_LOOK_WITHIN:.0%} of the choice), and a plan's first call is its coldest; "
-                  f"{ctl.explain(best, preds)}")
-        table = [pred, *(p for p in preds[:6] if p is not pred)][:6]
-        return Decision(pred.plan, reason, table, pred, choice=best.plan)
+        return _explore(ctl, pred, best, preds, f"a second look at {pred.plan.label}: one call measured it "
+                        f"({pred.call_tokens_per_s:.2f} tok/s, within {1 - SECOND_LOOK_WITHIN:.0%} of the "
+                        "choice), and a plan's first call is its coldest")
     return None
 
 
