@@ -112,7 +112,7 @@ def second_look(ctl: Controller, preds: list[Prediction], best: Prediction) -> D
         if len(ema.calls) != 1 or ema.call_n or pred.parts.get("compile", 0.0) > 0:
             continue
         ctl.memory.second_looks.add(pred.plan)
-        ema.calls = []
+        ema.forget_calls()
         return _explore(ctl, pred, best, preds, f"a second look at {pred.plan.label}: one call measured it "
                         f"({pred.call_tokens_per_s:.2f} tok/s, within {1 - SECOND_LOOK_WITHIN:.0%} of the "
                         "choice), and a plan's first call is its coldest")

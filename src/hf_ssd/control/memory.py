@@ -43,6 +43,10 @@ class Ema:
         means = self.calls + ([self.call_sum / self.call_n] if self.call_n else [])
         return statistics.median(means[-CALL_WINDOW:]) if len(means) >= 2 else self.value
 
+    def forget_calls(self) -> None:
+        """Drop the ended calls' means (a cold first call's): the next calls' rounds set the call-start price."""
+        self.calls = []
+
     def end_call(self) -> None:
         if self.call_n:
             self.calls = [*self.calls, self.call_sum / self.call_n][-CALL_WINDOW:]
