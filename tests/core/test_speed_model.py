@@ -75,6 +75,19 @@ def test_backup_threshold_monotone_in_p_hit():
     assert fast(bs) > jit(bs) and fast(bs - 1) <= jit(bs - 1)
 
 
+def test_backup_threshold_equals_a_scan_of_every_batch():
+    # the bisection against the first b whose fast backup wins, over random estimates (incl. a better or slower fast)
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        kw = dict(t_tree=rng.uniform(0.1, 2.0), t_jit=rng.uniform(0.0, 2.0), t_fast=rng.uniform(0.0, 1.0),
+                  e_hit=rng.uniform(1.0, 9.0), e_miss_jit=rng.uniform(1.0, 9.0), e_miss_fast=rng.uniform(1.0, 9.0))
+        p = float(rng.choice([0.0, 1.0, rng.uniform(0.0, 1.0), rng.uniform(0.95, 1.0)]))
+        scan = next((b for b in range(1, 201)
+                     if ssd_speedup(p, kw["e_hit"], kw["e_miss_fast"], kw["t_tree"], kw["t_fast"], batch=b)
+                     > ssd_speedup(p, kw["e_hit"], kw["e_miss_jit"], kw["t_tree"], kw["t_jit"], batch=b)), 201)
+        assert backup_threshold(p, **kw, max_batch=200) == scan, (p, kw)
+
+
 def test_predict_by_hand():
     t = RoundTimings(verify_s=0.02, tree_s=0.01, draft_step_s=0.002, backup_s=0.01, ar_step_s=0.02)
     pr = predict(t, K=4, alpha=0.5, p_hit=0.8)

@@ -170,16 +170,18 @@ def test_static_cache_full_is_a_clear_error():
 def test_draft_graphs_drop_module_guards_where_torch_can():
     """The draft's compiled steps skip dynamo's guards on the model's modules (a few percent of a small forward on
     CPU); the target's keep every guard. CUDA graphs stay on with the guard filter (mode and options cannot both be
-    given to torch.compile)."""
+    given to torch.compile). CPU graphs of both run with inductor's C++ wrapper."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert static_registry.compile_kwargs(cpu) == {"fullgraph": True, "dynamic": False}
+    wrapper = static_registry.cpu_wrapper_options()  # CPU graphs only: their kernels called from C++
+    assert wrapper == {"cpp_wrapper": True, "size_asserts": False}  # this project's torch has both
+    assert static_registry.compile_kwargs(cpu) == {"fullgraph": True, "dynamic": False, "options": wrapper}
     assert static_registry.compile_kwargs(cuda) == {"fullgraph": True, "dynamic": False, "mode": "reduce-overhead"}
     skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
     draft_cpu, draft_cuda = (static_registry.compile_kwargs(d, guard_modules=False) for d in (cpu, cuda))
     if skip is None:
         assert draft_cpu == static_registry.compile_kwargs(cpu)
         return
-    assert draft_cpu["options"] == {"guard_filter_fn": skip} and "mode" not in draft_cpu
+    assert draft_cpu["options"] == {**wrapper, "guard_filter_fn": skip} and "mode" not in draft_cpu
     assert draft_cuda["options"] == {"triton.cudagraphs": True, "guard_filter_fn": skip}
     # entries of the two kinds never serve each other
     from hf_ssd.testing import tiny_llama

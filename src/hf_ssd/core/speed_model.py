@@ -63,12 +63,24 @@ def backup_threshold(p_hit: float, t_tree: float, t_jit: float, t_fast: float, e
     rows that missed. (1-p^b)/(1-p) = 1 + p + ... + p^(b-1) grows with p, so in this model b* does NOT grow with
     p_hit: it shrinks (and is max_batch+1 when misses are so common that JIT's quality always pays).
     """
-    for b in range(1, max_batch + 1):
-        jit = ssd_speedup(p_hit, e_hit, e_miss_jit, t_tree, t_jit, batch=b)
-        fast = ssd_speedup(p_hit, e_hit, e_miss_fast, t_tree, t_fast, batch=b)
-        if fast > jit:
-            return b
-    return max_batch + 1
+
+    def fast_wins(b: int) -> bool:
+        return (ssd_speedup(p_hit, e_hit, e_miss_fast, t_tree, t_fast, batch=b)
+                > ssd_speedup(p_hit, e_hit, e_miss_jit, t_tree, t_jit, batch=b))
+
+    # The condition depends on b only through P_b, linearly: (1-P_b)·D > R. So the b where the fast backup wins are
+    # a prefix of 1.. (D < 0: then it wins at b = 1 or nowhere), a suffix (D > 0) or all or none: a bisection
+    # between a losing b = 1 and a winning max_batch finds the first. A scan of every b cost ~1 ms a round (2,048
+    # speedups) where the JIT always wins, on the draft's critical path.
+    if fast_wins(1):
+        return 1
+    if not fast_wins(max_batch):
+        return max_batch + 1
+    lo, hi = 1, max_batch  # fast loses at lo, wins at hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fast_wins(mid) else (mid, hi)
+    return hi
 
 
 @dataclass(frozen=True)

@@ -47,15 +47,29 @@ def compile_kwargs(device: torch.device, guard_modules: bool = True) -> dict:
     kw: dict = {"fullgraph": True, "dynamic": False}
     mode = compile_mode(device)
     skip = None if guard_modules else getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
-    if skip is None:  # every guard stays (asked for, or an older torch)
+    options = cpu_wrapper_options() if device.type == "cpu" else {}
+    if skip is None and not options:  # every guard stays (asked for, or an older torch)
         if mode is not None:
             kw["mode"] = mode
         return kw
     # mode and options cannot both be given: a mode is a named set of options
-    options = dict(torch._inductor.list_mode_options(mode)) if mode is not None else {}
-    options["guard_filter_fn"] = skip
+    if mode is not None:
+        options = {**torch._inductor.list_mode_options(mode), **options}
+    if skip is not None:
+        options["guard_filter_fn"] = skip
     kw["options"] = options
     return kw
+
+
+def cpu_wrapper_options() -> dict:
+    """Inductor options for a CPU graph: its kernels called from C++ instead of a Python wrapper (`cpp_wrapper`),
+    and no re-check of the inputs' sizes and strides that dynamo's guards have just checked (`size_asserts`). A
+    launch-bound forward spends much of its time in that Python: measured on the project's 2-core CPU (overhead
+    workload, interleaved calls of one process), the 8-layer draft's 3-token forward 0.83 -> 0.60 ms and the
+    28-layer target's 5-token verify 4.2 -> 3.3 ms; compiling one graph from scratch took 23 s against 21 s. Same
+    kernels, same results. On CUDA, graph replay (reduce-overhead) already skips the wrapper."""
+    config = torch._inductor.config
+    return {name: value for name, value in (("cpp_wrapper", True), ("size_asserts", False)) if hasattr(config, name)}
 
 
 # Every read-modify-write of the buffers runs in inference mode, whatever the caller's mode and thread: they are
