@@ -173,7 +173,7 @@ def test_draft_graphs_drop_module_guards_where_torch_can():
     given to torch.compile). CPU graphs of both run with inductor's C++ wrapper."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     wrapper = static_registry.cpu_wrapper_options()  # CPU graphs only: their kernels called from C++
-    assert wrapper == {"cpp_wrapper": True, "size_asserts": False}  # this project's torch has both
+    assert wrapper == {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "size_asserts": False}
     assert static_registry.compile_kwargs(cpu) == {"fullgraph": True, "dynamic": False, "options": wrapper}
     assert static_registry.compile_kwargs(cuda) == {"fullgraph": True, "dynamic": False, "mode": "reduce-overhead"}
     skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
