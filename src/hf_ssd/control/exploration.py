@@ -53,7 +53,10 @@ FAMILY_EXPLORE_WITHIN = 0.85
 # SECOND_LOOK_WITHIN of the choice, runs one more call (once), which then sets its price: measured in its first
 # call on a fresh draft process, SSD K=2 on the overhead workload at α ≈ 0.7 was priced at 15.2 ms a round against
 # 11.3 ms in later calls, and the controller ran compiled plain decoding, 0.85x of it, for the rest of the bench.
-SECOND_LOOK_WITHIN = 0.85
+# A cold call ran 0.72-0.78x the plan's later speed in both cases seen (the one above; SSD K=2 at 300 tok/s in one
+# call against 390-420 for the hand-picked SSD rows of the same run, which left `ssd=True` on compiled plain
+# decoding in 17 of 18 calls), so the window reaches that far.
+SECOND_LOOK_WITHIN = 0.70
 # ... and the call keeps it for this many rounds before a mid-call decision may leave it (its first call's price
 # would otherwise send it back at the first decision)
 SECOND_LOOK_ROUNDS = 16
