@@ -471,7 +471,7 @@ def test_a_bonus_that_is_always_the_first_guess_shrinks_the_tree():
     ctl.memory.guessability.add([400] + [0] * 16)  # 400 bonus tokens, all of rank 0
     assert ctl.acceptance().top1_miss < 0.1
     ctl.memory.shortlist = None  # a full evaluation (the shortlist was made on the prior, where wide trees led)
-    assert ctl.decide().plan.budget == 6  # the smallest candidate budget that covers K + 1 = 5 outcomes
+    assert ctl.decide().plan.budget == 5  # the narrowest tree that covers the K + 1 = 5 outcomes
 
 
 def test_guessability_is_learned_from_the_ranks():
@@ -510,6 +510,11 @@ def test_ssd_rounds_teach_the_controller_how_guessable_the_bonus_is(monkeypatch,
     switches = len(out.ssd_stats["controller"].get("switches") or [])
     proposed = out.ssd_stats["rounds"] - 1 - sum(out.ssd_stats["backup_rounds"].values()) - switches
     assert proposed >= 5 and memory.guessability.estimator.n >= 0.95 * proposed
+    # ... and so do the seconds its trees and verifies took (control.learned_line: they price compiled plans)
+    tree = memory.lines[("draft", f"ssd:{worker}", False)]
+    (at,) = tree.points
+    assert at == pytest.approx(3 + 0.03 * 2 * 5) and tree.points[at].n >= 3 and 0 < tree(at) < 5.0
+    assert [key for key in memory.lines if key[0] == "verify"]
 
 
 def test_small_gains_do_not_switch():
@@ -910,8 +915,9 @@ def test_a_compiled_plain_step_is_calibrated_by_the_measured_verifies():
     ctl.memory.round_s[sync] = rounds
     plain = ctl.model(Plan("plain")).round_s
     assert ctl.predict(Plan("plain")).round_s == pytest.approx(0.8 * plain)
+    eager_verify = ctl.model(sync).parts["verify"]  # measured verifies then price the model's (learned_line)
     for _ in range(8):
-        ctl.record_verify(sync, 0.5 * ctl.model(sync).parts["verify"])
+        ctl.record_verify(sync, 0.5 * eager_verify)
     assert ctl.predict(Plan("plain")).round_s == pytest.approx(0.5 * plain)
     # an eager plain (transformers' own loop) keeps the model's price whatever the verifies measured
     eager = Controller(costs(), ctl.memory, 1, {}, fixed_alpha=0.8)
@@ -926,8 +932,9 @@ def test_a_switch_to_plain_mid_generation_is_priced_as_our_loop_runs_it():
                      plain_compiled=True)
     sync = Plan("sync", 4)
     ctl.memory.record_round(sync, 0.9 * ctl.model(sync).round_s, tokens=ctl.model(sync).tokens_per_round, count=8)
+    eager_verify = ctl.model(sync).parts["verify"]
     for _ in range(8):
-        ctl.record_verify(sync, 0.3 * ctl.model(sync).parts["verify"])
+        ctl.record_verify(sync, 0.3 * eager_verify)
     assert ctl.predict(Plan("plain")).tokens_per_s > 1.1 * ctl.predict(sync).tokens_per_s
     assert ctl.decide().plan == Plan("plain")
     assert ctl.model(Plan("plain")).tokens_per_s < ctl.predict(sync).tokens_per_s

@@ -21,6 +21,7 @@ from hf_ssd.control.costs import Costs
 from hf_ssd.control.decision import Decision, Horizon, family, retunable, simpler
 from hf_ssd.control.exploration import (alpha_exploration, family_exploration, second_look, still_exploring,
                                         untried_score)
+from hf_ssd.control.learned_line import LearnedLine, tree_forwards
 from hf_ssd.control.memory import Memory, Tally
 from hf_ssd.control.plan import MAX_K, Acceptance, Plan, Prediction, candidates, predict, verify_s
 from hf_ssd.control.shortlist import candidates_key, make_shortlist
@@ -124,9 +125,52 @@ class Controller:
 
     def model(self, plan: Plan) -> Prediction:
         """The cost model's prediction, before any calibration (a fresh copy: callers adjust it)."""
-        pred = self._shared(("model", plan),
-                            lambda: predict(plan, self.costs, self.acceptance(plan.int8), self.batch))
+        pred = self._shared(("model", plan), lambda: predict(plan, self.costs, self.acceptance(plan.int8),
+                                                             self.batch, self.compiled_parts(plan)))
         return replace(pred, parts=dict(pred.parts))
+
+    def compiled_parts(self, plan: Plan) -> dict:
+        """Seconds of `plan`'s round parts priced off the compiled rounds measured so far (control.learned_line)
+        instead of the eager cost lines: its draft work (an SSD tree, a synchronous draft) and an SSD miss's JIT
+        backup where the draft runs compiled, its verify where the target does.
+
+        A family that has not run borrows: the draft lines of the other families (a forward is a forward), the
+        verify's measured ratio to its cost line (Memory.verify), each only where cheaper than the eager line
+        (a family never looks worse than the model says before it has run). Nothing before a round measured."""
+        if plan.mode == "plain" or not (self.draft_compiled or self.plain_compiled):
+            return {}
+        eager = predict(plan, self.costs, self.acceptance(plan.int8), self.batch).parts
+        parts = {}
+        if self.draft_compiled:
+            own = self.memory.lines.get(("draft", family(plan), plan.int8))
+            others = [line for key, line in self.memory.lines.items()
+                      if key[0] == "draft" and key[2] == plan.int8 and line]
+            eager_draft = eager["tree" if plan.mode == "ssd" else "draft"]
+            sizes = {"draft": (tree_forwards(plan), eager_draft)}
+            if plan.mode == "ssd":
+                sizes["backup"] = (float(plan.K), eager["backup"])  # K single-token steps
+            for name, (size, eager_s) in sizes.items():
+                if own:
+                    parts[name] = own(size)
+                elif others:
+                    parts[name] = min(eager_s, min(line(size) for line in others))
+        if self.plain_compiled:
+            own = self.memory.lines.get(("verify", self._split(plan)))
+            if own:
+                parts["verify"] = own(plan.K + 1)
+            elif self.memory.verify.n >= MIN_ROUNDS:
+                parts["verify"] = eager["verify"] * min(1.0, self.memory.verify.value)
+        return parts
+
+    def _split(self, plan: Plan) -> bool:
+        """Does `plan`'s verify run on the target's share of the cores (beside a concurrent tree)?"""
+        return plan.mode == "ssd" and plan.worker != "inline" and self.costs.split is not None
+
+    def record_draft(self, plan: Plan, seconds: float) -> None:
+        """One round's draft work of `plan` (an SSD tree, a synchronous draft) took `seconds`."""
+        if plan.mode != "plain":
+            line = self.memory.lines.setdefault(("draft", family(plan), plan.int8), LearnedLine(proportional=True))
+            line.add(tree_forwards(plan), seconds)
 
     def calibration(self, mode: str, max_age: int | None = None) -> float:
         """Measured / modelled round time of the plans of `mode` (a plan `family`) that ran: the engine's own work,
@@ -185,6 +229,8 @@ class Controller:
         """One round's verify of `plan` took `seconds`: its ratio to the target's cost line (calibration("plain"))."""
         if plan.mode != "plain":
             self.memory.verify.add(seconds / max(verify_s(plan, self.costs), 1e-9))
+            line = self.memory.lines.setdefault(("verify", self._split(plan)), LearnedLine(proportional=False))
+            line.add(plan.K + 1, seconds)
 
     def graphs(self, plan: Plan, in_loop: bool = False) -> frozenset[tuple]:
         return plan_graphs(plan, self.draft_compiled, self.plain_compiled, in_loop, self.max_length)

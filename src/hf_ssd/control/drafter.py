@@ -67,6 +67,7 @@ class ControlledDrafter(Drafter):
         self.ranks_seen: list[int] = []  # stats.bonus_ranks when last read (_learn_guessability)
         self.compiles_seen = self._compiles()
         self.compiled_last_round = False
+        self.round_recorded = False  # did _observe record this round's time (then resolve records its draft work)
 
     @property
     def kind(self) -> str:
@@ -126,7 +127,10 @@ class ControlledDrafter(Drafter):
             if len(self.pending) == CONFIRMATIONS and all(p == decision.plan for p in self.pending):
                 self.pending = []
                 return self._switch(decision, verdict)
+        compiles = self._compiles()
         result = self.current.resolve(verdict)
+        if self.round_recorded and result.draft_span is not None and self._compiles() == compiles:
+            self.controller.record_draft(self.plan, result.draft_span[1] - result.draft_span[0])
         if result.hits is not None:
             self.memory.hits += float(result.hits.sum())
             self.memory.lookups += result.hits.numel()
@@ -175,11 +179,13 @@ class ControlledDrafter(Drafter):
         in_loop_plain = self.plan.mode == "plain"
         # disturbed: something else takes the hardware now (a kept process starting), so the time is not the plan's
         compiled = self._compiled_lately()
+        self.round_recorded = False
         if self.last_start is not None and not in_loop_plain and not compiled and not self.disturbed():
             seconds, measured = now - self.last_start, self.memory.round_s.get(self.plan)
             tail = self.memory.tail.setdefault(family(self.plan), TailShare())
             tail.add(seconds, k.numel() / self.controller.batch, None if measured is None else measured.value)
             if full:
+                self.round_recorded = True  # its draft work is recorded too, once resolve has its span
                 self.memory.record_round(self.plan, seconds, tokens=tokens)
                 if verdict.verify_s > 0:
                     self.controller.record_verify(self.plan, verdict.verify_s)

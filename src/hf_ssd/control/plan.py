@@ -98,24 +98,27 @@ def verify_s(plan: Plan, costs: Costs) -> float:
     return costs.target(split)(plan.K + 1)
 
 
-def predict(plan: Plan, costs: Costs, acc: Acceptance, batch: int) -> Prediction:
+def predict(plan: Plan, costs: Costs, acc: Acceptance, batch: int, measured: dict | None = None) -> Prediction:
     """Predicted tokens per round and seconds per round of `plan`. The engine's own work per round is not modelled:
-    the controller calibrates it away with measured round times."""
+    the controller calibrates it away with measured round times. measured: seconds of the round's parts that the
+    controller priced from compiled rounds instead of the eager cost lines ("verify"; "draft": a synchronous
+    draft or an SSD tree; "backup"), each optional."""
     if plan.mode == "plain":
         t = costs.target(False)(1)
         return Prediction(plan, float(batch), t, parts={"target_step": t})
+    measured = measured or {}
     K = plan.K
     e = expected_tokens_per_round(min(max(acc.alpha, 0.0), 1.0), K)
+    verify = measured.get("verify") or verify_s(plan, costs)
     if plan.mode == "sync":
         draft = costs.draft(False, plan.int8)
-        verify, drafting = verify_s(plan, costs), draft(2) + (K - 1) * draft(1)
+        drafting = measured.get("draft") or draft(2) + (K - 1) * draft(1)
         return Prediction(plan, batch * e, verify + drafting, parts={"verify": verify, "draft": drafting})
     concurrent = plan.worker != "inline"
     split = concurrent and costs.split is not None
     draft = costs.draft(split, plan.int8)
-    verify = verify_s(plan, costs)
-    tree = draft(K + 1) + K * draft(plan.budget)
-    backup = draft(1) + (K - 1) * draft(1)
+    tree = measured.get("draft") or draft(K + 1) + K * draft(plan.budget)
+    backup = measured.get("backup") or draft(1) + (K - 1) * draft(1)
     # α to 3 decimals: the fan-out is cached per α (core.fanout), and the measured α moves every round
     fanout = geometric_fanout(plan.budget, round(acc.alpha, 3), acc.r, K, top1_miss=acc.top1_miss)
     p_hit = expected_hit_rate(fanout, acc.alpha, acc.r, top1_miss=acc.top1_miss)
@@ -145,7 +148,9 @@ def candidates(costs: Costs, max_K: int = MAX_K, budgets: tuple[int, ...] = (2, 
             for worker in workers:
                 if worker == "process" and int8:
                     continue
-                # a budget covers the K + 1 outcomes (narrower trees as candidates: docs/controller.md, tried)
-                plans += [Plan("ssd", K, budget, worker, int8, costs.split) for budget in budgets
+                # a budget covers the K + 1 outcomes (narrower trees as candidates: docs/controller.md, tried), and
+                # the narrowest that does is always one (at α = 1 it hits as often as any, at the least cost)
+                wide = sorted({*budgets, K + 1}) if len(budgets) > 1 else budgets
+                plans += [Plan("ssd", K, budget, worker, int8, costs.split) for budget in wide
                           if budget >= K + 1 or len(budgets) == 1]
     return plans

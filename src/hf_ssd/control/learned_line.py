@@ -1,0 +1,67 @@
+"""A part of a round's cost (an SSD tree, a synchronous draft, a verify) as a line in its size, learned from rounds.
+
+The controller's cost lines are eager forwards timed once per process (control/costs.py). Compiled forwards
+(ssd_compile, ssd_compile_target) cost something else, and not in proportion: on the overhead workload compiling
+takes a draft step from ~3 ms to ~0.6 ms and a 5-token verify from ~6 ms to ~2.5 ms, and the eager lines of a
+small model are noisy enough that two neighbouring widths differ by 2x. Scaled by one measured / modelled ratio,
+the eager lines priced the siblings of the first compiled SSD plan that ran at 0.6x its measured speed (SSD K = 3
+with 16 branches measured 6.6 ms a round, K = 3 with 12 branches was priced at 13 ms), and the plan that ran
+first was kept: 0.63-0.69x the best SSD plan at α = 1.
+
+So for compiled plans each part is priced off what the rounds measured. A compiled forward is launch-bound: its
+cost depends little on its width, so a part is a line in its forwards (`tree_forwards`: glue and steps of an SSD
+tree; a synchronous draft's steps) or a verify's tokens. What width does cost is counted as a share of a forward
+per branch (BRANCH_SHARE): on the overhead workload the tree took 6.7 / 7.5 ms at K = 4 with 2 / 8 branches a step
+and 10.3 / 11.8 ms at K = 8, about 0.03 ms per branch a step against ~0.9 ms a forward. Each size seen keeps its
+own average (control.memory.Ema); the line goes through them by least squares. With a single size seen, a tree or
+a draft is priced in proportion to its forwards (that overrates the longer trees a little, as a round's fixed work
+is spread over its forwards, and the plan priced from it then measures the slope), and a verify as flat (a compiled
+verify of 9 tokens took 1.1x one of 5).
+"""
+from __future__ import annotations
+
+from hf_ssd.control.memory import Ema
+from hf_ssd.control.plan import Plan
+
+BRANCH_SHARE = 0.03  # a tree step's cost per branch beyond the first, in forwards (measured above)
+
+
+def tree_forwards(plan: Plan) -> float:
+    """The size of `plan`'s draft work in forwards: an SSD tree's glue and K steps, each step counting
+    BRANCH_SHARE more per branch beyond the first; a synchronous draft's K steps."""
+    if plan.mode == "ssd":
+        return plan.K + 1 + BRANCH_SHARE * plan.K * max(plan.budget - 1, 0)
+    return float(plan.K)
+
+
+class LearnedLine:
+    """Seconds of one part of a round against its size x, from the rounds that ran.
+
+    proportional: how a single size seen extrapolates: seconds in proportion to x (True: forwards, each about the
+    same) or the same seconds at every x (False: a verify's width)."""
+
+    def __init__(self, proportional: bool):
+        self.proportional = proportional
+        self.points: dict[float, Ema] = {}
+
+    def add(self, x: float, seconds: float) -> None:
+        if x > 0 and seconds > 0:
+            self.points.setdefault(round(float(x), 6), Ema()).add(seconds)
+
+    def __bool__(self) -> bool:
+        return any(e.value is not None for e in self.points.values())
+
+    def __call__(self, x: float) -> float | None:
+        """Seconds at size x; None before any round measured it."""
+        seen = sorted((n, e.value) for n, e in self.points.items() if e.value is not None)
+        if not seen:
+            return None
+        if len(seen) == 1:
+            n0, t0 = seen[0]
+            return t0 * x / n0 if self.proportional else t0
+        xs, ts = [n for n, _ in seen], [t for _, t in seen]
+        mx, mt = sum(xs) / len(xs), sum(ts) / len(ts)
+        slope = sum((a - mx) * (b - mt) for a, b in zip(xs, ts)) / sum((a - mx) ** 2 for a in xs)
+        slope = max(slope, 0.0)  # a longer tree or verify never costs less (a negative slope is noise)
+        fixed = max(mt - slope * mx, 0.0)
+        return fixed + slope * x

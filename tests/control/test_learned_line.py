@@ -1,0 +1,97 @@
+"""Compiled plans are priced off what their rounds measured (control.learned_line), not off the eager cost lines
+scaled by one ratio: a measured compiled plan's siblings are priced by their size in forwards."""
+from __future__ import annotations
+
+import pytest
+
+from hf_ssd.control.controller import Controller
+from hf_ssd.control.costs import Costs, Curve
+from hf_ssd.control.learned_line import BRANCH_SHARE, LearnedLine, tree_forwards
+from hf_ssd.control.memory import Memory
+from hf_ssd.control.plan import Plan
+
+
+def test_one_size_seen_extrapolates_in_proportion_or_flat():
+    tree, verify = LearnedLine(proportional=True), LearnedLine(proportional=False)
+    assert tree(4) is None and not tree
+    for _ in range(5):
+        tree.add(4, 0.008)
+        verify.add(4, 0.003)
+    assert tree(8) == pytest.approx(0.016) and tree(2) == pytest.approx(0.004)
+    assert verify(9) == pytest.approx(0.003)
+
+
+def test_sizes_seen_fit_a_line_that_never_goes_downhill():
+    line = LearnedLine(proportional=True)
+    for x, seconds in ((5, 0.0067), (9, 0.0103), (13, 0.0139)):
+        for _ in range(5):
+            line.add(x, seconds)
+    assert line(7) == pytest.approx(0.0085) and line(1) == pytest.approx(0.0031)  # fixed 2.2 ms + 0.9 ms a forward
+    noisy = LearnedLine(proportional=False)
+    for x, seconds in ((3, 0.005), (9, 0.004)):
+        for _ in range(5):
+            noisy.add(x, seconds)
+    assert noisy(3) == noisy(20) == pytest.approx(0.0045)  # a slope below zero is noise: flat at the mean
+
+
+def test_tree_size_counts_forwards_and_a_share_per_branch():
+    assert tree_forwards(Plan("ssd", 4, 2)) == pytest.approx(5 + BRANCH_SHARE * 4)
+    assert tree_forwards(Plan("ssd", 8, 9)) == pytest.approx(9 + BRANCH_SHARE * 8 * 8)
+    assert tree_forwards(Plan("sync", 4)) == 4
+
+
+def _noisy_costs() -> Costs:
+    """Eager lines of a small model on a busy CPU: neighbouring widths 2-3x apart (12 tokens far above 16)."""
+    target = Curve(((1, 0.014), (2, 0.017), (3, 0.020), (4, 0.020), (6, 0.020), (9, 0.021)))
+    draft = Curve(((1, 0.005), (2, 0.005), (3, 0.013), (4, 0.013), (6, 0.009), (9, 0.010), (12, 0.016),
+                   (16, 0.006)))
+    return Costs(1, target, draft, target, draft, (1, 1))
+
+
+def _measured(ctl: Controller, plan: Plan, round_s: float, verify_s: float, tree_s: float) -> None:
+    for _ in range(8):
+        ctl.memory.record_round(plan, round_s, tokens=plan.K + 1)
+        ctl.record_verify(plan, verify_s)
+        ctl.record_draft(plan, tree_s)
+
+
+def test_a_measured_compiled_plan_prices_its_siblings_by_their_forwards():
+    """SSD K = 3 with 16 branches, compiled, measured 6.6 ms a round (tree 5 ms, verify 4.5 ms). Scaled by its one
+    ratio, the noisy eager lines priced K = 3 with 12 branches at twice its round and every longer tree far slower,
+    so the first plan was kept; priced by forwards, narrower trees cost less and at α = 1 a longer K wins."""
+    measured = Plan("ssd", 3, 16, "thread", threads=(1, 1))
+    narrower = Plan("ssd", 3, 12, "thread", threads=(1, 1))
+
+    def make(compiled: bool) -> Controller:
+        ctl = Controller(_noisy_costs(), Memory(), 1, {"mode": ("ssd",)}, fixed_alpha=1.0,
+                         plain_compiled=compiled, draft_compiled=compiled)
+        ctl.memory.guessability.add([400] + [0] * 16)  # the bonus is always the first guess (α = 1)
+        _measured(ctl, measured, 0.0066, 0.0045, 0.0050)
+        return ctl
+
+    eager = make(compiled=False)  # the premise: the eager lines' noise alone
+    assert eager.predict(narrower).round_s > 1.5 * eager.predict(measured).round_s
+    ctl = make(compiled=True)
+    assert ctl.predict(measured).round_s == pytest.approx(0.0066)
+    assert ctl.predict(narrower).round_s < ctl.predict(measured).round_s
+    longer = ctl.predict(Plan("ssd", 8, 9, "thread", threads=(1, 1)))
+    assert longer.parts["tree"] == pytest.approx(0.0050 * tree_forwards(longer.plan) / tree_forwards(measured))
+    assert longer.tokens_per_s > ctl.predict(measured).tokens_per_s
+    assert ctl.decide().plan.K > 3
+
+
+def test_a_family_that_has_not_run_borrows_the_measured_lines_where_cheaper():
+    """Compiled sync SD has not run: its draft steps are priced off the SSD trees' line (a forward is a forward)
+    and its verify by the verifies' measured ratio to the eager line, never above the eager price."""
+    ctl = Controller(_noisy_costs(), Memory(), 1, {}, fixed_alpha=0.9, plain_compiled=True, draft_compiled=True)
+    ssd = Plan("ssd", 3, 16, "thread", threads=(1, 1))
+    eager_verify = ctl.model(Plan("sync", 4)).parts["verify"]
+    _measured(ctl, ssd, 0.0066, 0.0045, 0.0050)
+    sync = ctl.model(Plan("sync", 4)).parts
+    assert sync["draft"] == pytest.approx(0.0050 * 4 / tree_forwards(ssd))
+    assert sync["verify"] < eager_verify and sync["verify"] == pytest.approx(
+        eager_verify * ctl.memory.verify.value)
+    slow = Controller(_noisy_costs(), Memory(), 1, {}, fixed_alpha=0.9, draft_compiled=True)
+    _measured(slow, ssd, 0.5, 0.2, 0.4)  # a measured tree far slower than the eager lines: not borrowed
+    assert slow.model(Plan("sync", 4)).parts["draft"] == pytest.approx(
+        Controller(_noisy_costs(), Memory(), 1, {}, fixed_alpha=0.9).model(Plan("sync", 4)).parts["draft"])
