@@ -21,6 +21,18 @@ def test_one_size_seen_extrapolates_in_proportion_or_flat():
     assert verify(9) == pytest.approx(0.003)
 
 
+def test_one_size_seen_with_its_forwards_timed_keeps_its_fixed_work():
+    """A K = 2 tree took 6 ms, 1.2 ms of it per forward: a K = 8 tree adds only forwards to it (in proportion, it
+    was priced 3x, and K = 8 no faster than K = 2 at α = 1)."""
+    line = LearnedLine(proportional=True)
+    for _ in range(5):
+        line.add(3.0, 0.006, 0.0012)
+    assert line(9.0) == pytest.approx(0.006 + 6 * 0.0012)
+    assert line(1.0) == pytest.approx(0.0036)
+    line.add(3.0, 0.006, 0.01)  # forwards that took longer than the whole tree: a bad reading, not kept
+    assert line.unit.value == pytest.approx(0.0012)
+
+
 def test_sizes_seen_fit_a_line_that_never_goes_downhill():
     line = LearnedLine(proportional=True)
     for x, seconds in ((5, 0.0067), (9, 0.0103), (13, 0.0139)):
@@ -95,3 +107,12 @@ def test_a_family_that_has_not_run_borrows_the_measured_lines_where_cheaper():
     _measured(slow, ssd, 0.5, 0.2, 0.4)  # a measured tree far slower than the eager lines: not borrowed
     assert slow.model(Plan("sync", 4)).parts["draft"] == pytest.approx(
         Controller(_noisy_costs(), Memory(), 1, {}, fixed_alpha=0.9).model(Plan("sync", 4)).parts["draft"])
+
+
+def test_sizes_closer_than_a_forward_fit_no_slope():
+    """Two budgets of one K are 0.4 forwards apart: their difference is noise, not a slope."""
+    line = LearnedLine(proportional=True)
+    for x, seconds in ((3.66, 0.0077), (3.3, 0.0079)):
+        for _ in range(5):
+            line.add(x, seconds)
+    assert line(9.0) == pytest.approx(0.0078 * 9.0 / 3.48)

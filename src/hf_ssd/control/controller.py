@@ -166,11 +166,12 @@ class Controller:
         """Does `plan`'s verify run on the target's share of the cores (beside a concurrent tree)?"""
         return plan.mode == "ssd" and plan.worker != "inline" and self.costs.split is not None
 
-    def record_draft(self, plan: Plan, seconds: float) -> None:
-        """One round's draft work of `plan` (an SSD tree, a synchronous draft) took `seconds`."""
+    def record_draft(self, plan: Plan, seconds: float, step_s: float | None = None) -> None:
+        """One round's draft work of `plan` (an SSD tree, a synchronous draft) took `seconds`, of which each of its
+        forwards took `step_s`, where measured."""
         if plan.mode != "plain":
             line = self.memory.lines.setdefault(("draft", family(plan), plan.int8), LearnedLine(proportional=True))
-            line.add(tree_forwards(plan), seconds)
+            line.add(tree_forwards(plan), seconds, step_s)
 
     def calibration(self, mode: str, max_age: int | None = None) -> float:
         """Measured / modelled round time of the plans of `mode` (a plan `family`) that ran: the engine's own work,

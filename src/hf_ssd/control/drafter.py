@@ -130,7 +130,8 @@ class ControlledDrafter(Drafter):
         compiles = self._compiles()
         result = self.current.resolve(verdict)
         if self.round_recorded and result.draft_span is not None and self._compiles() == compiles:
-            self.controller.record_draft(self.plan, result.draft_span[1] - result.draft_span[0])
+            step_s = self.stats.draft_step_s if self.plan.mode == "ssd" else None
+            self.controller.record_draft(self.plan, result.draft_span[1] - result.draft_span[0], step_s)
         if result.hits is not None:
             self.memory.hits += float(result.hits.sum())
             self.memory.lookups += result.hits.numel()

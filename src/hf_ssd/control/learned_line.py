@@ -13,10 +13,14 @@ cost depends little on its width, so a part is a line in its forwards (`tree_for
 tree; a synchronous draft's steps) or a verify's tokens. What width does cost is counted as a share of a forward
 per branch (BRANCH_SHARE): on the overhead workload the tree took 6.7 / 7.5 ms at K = 4 with 2 / 8 branches a step
 and 10.3 / 11.8 ms at K = 8, about 0.03 ms per branch a step against ~0.9 ms a forward. Each size seen keeps its
-own average (control.memory.Ema); the line goes through them by least squares. With a single size seen, a tree or
-a draft is priced in proportion to its forwards (that overrates the longer trees a little, as a round's fixed work
-is spread over its forwards, and the plan priced from it then measures the slope), and a verify as flat (a compiled
-verify of 9 tokens took 1.1x one of 5).
+own average (control.memory.Ema).
+
+The slope is what a forward alone costs, where the drafter timed its compiled calls (on a CPU; a CUDA graph's
+launch returns before it has run): the rest of a tree's time is its fixed work (the fork, the proposals, the
+cache it builds), ~2-3 ms of a K = 2 tree's 6-8 ms on the overhead workload. Without it the line goes through the
+sizes seen by least squares, where they are at least a forward apart, and from one size alone a tree or a draft
+is priced in proportion to its forwards (which overrates longer trees: from SSD K = 2 it priced K = 8 no faster
+at α = 1, where K = 8 ran 1.4x faster) and a verify as flat (a compiled verify of 9 tokens took 1.1x one of 5).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from hf_ssd.control.memory import Ema
 from hf_ssd.control.plan import Plan
 
 BRANCH_SHARE = 0.03  # a tree step's cost per branch beyond the first, in forwards (measured above)
+MIN_SPREAD = 1.0  # sizes (in forwards or tokens) a slope is fitted over: closer ones differ by noise
 
 
 def tree_forwards(plan: Plan) -> float:
@@ -43,10 +48,14 @@ class LearnedLine:
     def __init__(self, proportional: bool):
         self.proportional = proportional
         self.points: dict[float, Ema] = {}
+        self.unit = Ema(outlier=None)  # seconds of one unit of x alone (a compiled forward), where measured
 
-    def add(self, x: float, seconds: float) -> None:
+    def add(self, x: float, seconds: float, unit_s: float | None = None) -> None:
+        """A part of size `x` took `seconds`, of which one unit of x (a forward) took `unit_s`, if known."""
         if x > 0 and seconds > 0:
             self.points.setdefault(round(float(x), 6), Ema()).add(seconds)
+            if unit_s is not None and 0 < unit_s * x <= seconds * 1.5:
+                self.unit.add(unit_s)
 
     def __bool__(self) -> bool:
         return any(e.value is not None for e in self.points.values())
@@ -56,11 +65,14 @@ class LearnedLine:
         seen = sorted((n, e.value) for n, e in self.points.items() if e.value is not None)
         if not seen:
             return None
-        if len(seen) == 1:
-            n0, t0 = seen[0]
-            return t0 * x / n0 if self.proportional else t0
         xs, ts = [n for n, _ in seen], [t for _, t in seen]
         mx, mt = sum(xs) / len(xs), sum(ts) / len(ts)
+        unit = self.unit.value
+        if unit is not None:  # the sizes seen, plus or less the forwards' own time
+            fixed = sum(t - unit * n for n, t in seen) / len(seen)
+            return max(fixed + unit * x, unit * x)
+        if xs[-1] - xs[0] < MIN_SPREAD:  # sizes too close for a slope (a budget's few branches): one size
+            return mt * x / mx if self.proportional else mt
         slope = sum((a - mx) * (b - mt) for a, b in zip(xs, ts)) / sum((a - mx) ** 2 for a in xs)
         slope = max(slope, 0.0)  # a longer tree or verify never costs less (a negative slope is noise)
         fixed = max(mt - slope * mx, 0.0)

@@ -220,8 +220,13 @@ class StaticSaguaroDrafter(SaguaroDrafter):
         t0 = self.stats.now()
         self._bad = None
         forwards = self.K if self.carried is not None else self.K + 1
+        kv = self.draft.kv
+        calls, run_s, compile_s = kv.compiled_calls, kv.compiled_run_s, kv.compile_s
         self.begin_no_sync(spec)
         self.draft_span = (t0, self.stats.now())
+        # every forward ran a compiled graph, none compiled
+        if kv.device.type == "cpu" and kv.compiled_calls - calls == forwards and kv.compile_s == compile_s:
+            self.stats.draft_step_s = (kv.compiled_run_s - run_s) / forwards
         self.backup.t_tree.add(self.draft_span[1] - t0)
         self.t_forward.add((self.draft_span[1] - t0) / forwards)
         self.stats.draft_compile_s = round(self.draft.kv.compile_s, 4)

@@ -88,6 +88,7 @@ class StaticCachedModel:
         self.forwards = 0
         self.compile_s = 0.0  # seconds this cache spent compiling (first call of each hot width)
         self.compiled_calls = 0
+        self.compiled_run_s = 0.0  # seconds its compiled calls took when they did not compile (host clock)
         self.max_position = position_limit(model)  # clamped as CachedModel clamps them (learned position tables)
         self._entry: Entry | None = None
         self._rows = list(range(batch_size))  # physical row of each row the caller sees
@@ -237,8 +238,10 @@ class StaticCachedModel:
                           f"({e.compile_failed.splitlines()[0][:300]}); this generation runs it eagerly{again}.",
                           RuntimeWarning, stacklevel=3)
             return slot_step(*args)
-        if counters["stats"]["unique_graphs"] != graphs:  # this call compiled (first call of the width, or again)
-            dt = time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        if counters["stats"]["unique_graphs"] == graphs:
+            self.compiled_run_s += dt
+        else:  # this call compiled (first call of the width, or again)
             e.compile_s += dt
             self.compile_s += dt
             static_registry.COMPILE_SPENT["seconds"] += dt

@@ -62,6 +62,9 @@ class SSDStats:
     draft_static: bool = False  # the Saguaro draft side ran on the static, fixed-shape cache (ssd_compile)
     draft_compiled: bool = False  # ... and its glue and tree forwards ran as compiled graphs
     draft_compile_s: float = 0.0  # seconds this generation spent compiling them (0 when already compiled)
+    # seconds of one compiled forward in the last tree, on a CPU (the rest of the tree's time is its fixed work);
+    # None elsewhere (a CUDA graph's launch returns before it has run)
+    draft_step_s: float | None = None
     tree_reused: int = 0  # rounds whose tree carried the previous round's draft KV over instead of a glue forward
     timeline: list[RoundRecord] = field(default_factory=list)
     wall_time: float = 0.0
