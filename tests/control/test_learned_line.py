@@ -116,3 +116,21 @@ def test_sizes_closer_than_a_forward_fit_no_slope():
         for _ in range(5):
             line.add(x, seconds)
     assert line(9.0) == pytest.approx(0.0078 * 9.0 / 3.48)
+
+
+def test_a_compiled_rounds_own_work_is_priced_as_seconds_not_as_a_ratio():
+    """SSD K = 2 ran 12 ms rounds: an 8 ms tree (2 ms a forward), a 6 ms verify, 4 ms of the engine's own work.
+    Those 4 ms are the same for a K = 8 round; as a ratio (1.5x) they priced it no faster than K = 2 at α = 1."""
+    k2 = Plan("ssd", 2, 16, "thread", threads=(1, 1))
+    ctl = Controller(_noisy_costs(), Memory(), 1, {"mode": ("ssd",)}, fixed_alpha=1.0, plain_compiled=True,
+                     draft_compiled=True)
+    ctl.memory.guessability.add([400] + [0] * 16)
+    for _ in range(8):
+        ctl.memory.record_round(k2, 0.012, tokens=3)
+        ctl.record_verify(k2, 0.006)
+        ctl.record_draft(k2, 0.008, 0.002)
+    k8 = Plan("ssd", 8, 9, "thread", threads=(1, 1))
+    tree = 0.008 + 0.002 * (tree_forwards(k8) - tree_forwards(k2))
+    assert ctl.predict(k8).round_s == pytest.approx(tree + 0.004, rel=0.01)  # (and a rare miss's backup)
+    assert ctl.predict(k8).tokens_per_s > 1.3 * ctl.predict(k2).tokens_per_s
+    assert ctl.decide().plan.K >= 5

@@ -189,6 +189,28 @@ class Controller:
         old count."""
         return self._shared(("calibration", mode, max_age), lambda: self._calibration(mode, max_age))
 
+    def calibrated(self, plan: Plan, modelled: float, max_age: int | None = None) -> float:
+        """`plan`'s modelled round time, calibrated by its family's measured plans: for a compiled plan whose
+        parts are priced off its family's own rounds (compiled_parts), by the seconds those rounds took beyond
+        their parts (the engine's own work and the hand-over, about the same whatever the plan's size), else by
+        the ratio measured / modelled (calibration). As a ratio, the 3 ms a compiled K = 2 round spent beyond its
+        tree and verify priced a K = 8 round 1.4x as much again, and `ssd=True` kept K = 2 where K = 8 ran 1.4-1.8x
+        faster (benchmarks/overhead-a1-unit-session25)."""
+        fam = family(plan)
+        if self.draft_compiled and plan.mode != "plain" and self.memory.lines.get(("draft", fam, plan.int8)):
+            extra = self._shared(("extra", fam, max_age), lambda: self._extra(fam, max_age))
+            if extra is not None:
+                return max(modelled + extra, 0.5 * modelled)
+        return modelled * self.calibration(fam, max_age)
+
+    def _extra(self, fam: str, max_age: int | None) -> float | None:
+        """Median seconds the measured plans of family `fam` took per round beyond their modelled round; None
+        where none has run."""
+        extra = [measured.value - self.model(plan).round_s for plan, measured in self.memory.round_s.items()
+                 if family(plan) == fam and measured.n >= MIN_ROUNDS
+                 and (max_age is None or self.memory.age(plan) <= max_age)]
+        return statistics.median(extra) if extra else None
+
     def _calibration(self, mode: str, max_age: int | None) -> float:
         ratios = {plan: measured.value / max(self.model(plan).round_s, 1e-9)
                   for plan, measured in self.memory.round_s.items()
@@ -313,7 +335,7 @@ class Controller:
             pred.round_s = self._aged(plan, value, pred.round_s) if aged else value
             pred.parts = {**pred.parts, "measured_round": value}
         else:
-            pred.round_s *= self.calibration(family(plan))
+            pred.round_s = self.calibrated(plan, pred.round_s)
         if plan.mode != "plain":  # at this call's α, measured or not: the text's difficulty is not the plan's
             pred.tokens_per_round *= self.yield_calibration(plan.mode)
         pred.tokens_per_round *= self.tail_share(plan)
@@ -331,7 +353,7 @@ class Controller:
         if age <= 0:
             return measured
         fresh = 0.5 ** (age / STALE_HALF_LIFE)
-        now = modelled * self.calibration(family(plan), max_age=STALE_HALF_LIFE // 2)
+        now = self.calibrated(plan, modelled, max_age=STALE_HALF_LIFE // 2)
         return fresh * measured + (1 - fresh) * min(measured, max(now, MAX_DRIFT * measured))
 
     # ---- choosing ---------------------------------------------------------------------------------------------
