@@ -429,6 +429,20 @@ def test_a_plan_one_cold_call_measured_gets_a_second_look(cold):
     ctl.memory.end_call()
     assert ctl.decide().plan == plain  # looked at twice, slower both times: not again
 
+
+def test_an_untried_choice_runs_before_a_second_look():
+    """The choice (sync K = 3) has not run: it is measured by running it, not after a second look at the K = 2
+    that one cold call measured at 0.85x its prediction (which spent one of the few calls that compile freely)."""
+    ctl = controller(costs(draft=(0.01, 0.0002)), alpha=0.95, allowed={"mode": ("sync",), "K": (2, 3)})
+    k2, k3 = Plan("sync", 2), Plan("sync", 3)
+    ctl.memory.record_round(k2, ctl.model(k2).round_s / 0.85, count=8)
+    ctl.memory.end_call()
+    first = ctl.decide()
+    assert first.plan == k3 and "second look" not in first.reason
+    ctl.memory.record_round(k3, ctl.model(k3).round_s, count=8)
+    ctl.memory.end_call()
+    assert ctl.decide().reason.startswith("a second look at sync K=2")  # now the choice is measured
+
 def test_one_call_in_a_slow_spell_does_not_rule_a_plan_out():
     """A plan's price at the start of a call is the median of its last calls' mean round times: a call that ran
     in a slow spell (the machine's speed drifts by tens of percent) does not make the plan look slow for good.

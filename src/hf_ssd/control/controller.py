@@ -155,16 +155,12 @@ class Controller:
                 elif others:
                     parts[name] = min(eager_s, min(line(size) for line in others))
         if self.plain_compiled:
-            own = self.memory.lines.get(("verify", self._split(plan)))
+            own = self.memory.lines.get(("verify", family(plan)))
             if own:
                 parts["verify"] = own(plan.K + 1)
             elif self.memory.verify.n >= MIN_ROUNDS:
                 parts["verify"] = eager["verify"] * min(1.0, self.memory.verify.value)
         return parts
-
-    def _split(self, plan: Plan) -> bool:
-        """Does `plan`'s verify run on the target's share of the cores (beside a concurrent tree)?"""
-        return plan.mode == "ssd" and plan.worker != "inline" and self.costs.split is not None
 
     def record_draft(self, plan: Plan, seconds: float, step_s: float | None = None) -> None:
         """One round's draft work of `plan` (an SSD tree, a synchronous draft) took `seconds`, of which each of its
@@ -252,7 +248,8 @@ class Controller:
         """One round's verify of `plan` took `seconds`: its ratio to the target's cost line (calibration("plain"))."""
         if plan.mode != "plain":
             self.memory.verify.add(seconds / max(verify_s(plan, self.costs), 1e-9))
-            line = self.memory.lines.setdefault(("verify", self._split(plan)), LearnedLine(proportional=False))
+            # per family: a thread worker's verify shares the GIL with its tree, a process worker's does not
+            line = self.memory.lines.setdefault(("verify", family(plan)), LearnedLine(proportional=False))
             line.add(plan.K + 1, seconds)
 
     def graphs(self, plan: Plan, in_loop: bool = False) -> frozenset[tuple]:

@@ -105,7 +105,13 @@ def _explore(ctl: Controller, pred: Prediction, best: Prediction, preds: list[Pr
 def second_look(ctl: Controller, preds: list[Prediction], best: Prediction) -> Decision | None:
     """The fastest plan other than `best` that only one call has measured, where it is predicted within
     SECOND_LOOK_WITHIN of `best` and needs nothing compiled; once per plan. Its first call's mean is dropped, so
-    the second call's rounds price it (a call-start price is the median of the last calls' means)."""
+    the second call's rounds price it (a call-start price is the median of the last calls' means).
+
+    Only where `best` has been measured itself: an untried best is measured by running it, and a second look
+    before it spends a call on the plan it is predicted to beat (with compile, calls that compile nothing
+    extra are few: control.compiled)."""
+    if not ctl.measured(best.plan):
+        return None
     for pred in preds:  # fastest first
         if pred.call_tokens_per_s < SECOND_LOOK_WITHIN * best.call_tokens_per_s:
             return None

@@ -222,7 +222,7 @@ class Memory:
     # runs than its eager cost line (a compiled target), the best guide to a compiled plain step not yet measured
     verify: Ema = field(default_factory=Ema)
     # seconds of the parts of compiled rounds, as lines in their size (control.learned_line), keyed
-    # ("draft", plan family, int8) for an SSD tree or a synchronous draft and ("verify", split) for the verify
+    # ("draft", plan family, int8) for an SSD tree or a synchronous draft and ("verify", plan family)
     lines: dict = field(default_factory=dict)
     graphs: set = field(default_factory=set)  # compiled graphs the plans that ran have built (control.compiled)
     generated: float = 0.0  # tokens per row committed by the rounds recorded so far
