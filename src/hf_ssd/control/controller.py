@@ -190,7 +190,7 @@ class Controller:
         parts are priced off its family's own rounds (compiled_parts), by the seconds those rounds took beyond
         their parts (the engine's own work and the hand-over, about the same whatever the plan's size), else by
         the ratio measured / modelled (calibration). As a ratio, the 3 ms a compiled K = 2 round spent beyond its
-        tree and verify priced a K = 8 round 1.4x as much again, and `ssd=True` kept K = 2 where K = 8 ran 1.4-1.8x
+        tree and verify priced a K = 8 round 1.4x as much again, and `ssd=True` kept K = 2 where K = 8 ran 1.7-1.8x
         faster (benchmarks/overhead-a1-unit-session25)."""
         fam = family(plan)
         if self.draft_compiled and plan.mode != "plain" and self.memory.lines.get(("draft", fam, plan.int8)):
