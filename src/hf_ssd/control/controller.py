@@ -139,27 +139,32 @@ class Controller:
         (a family never looks worse than the model says before it has run). Nothing before a round measured."""
         if plan.mode == "plain" or not (self.draft_compiled or self.plain_compiled):
             return {}
-        eager = predict(plan, self.costs, self.acceptance(plan.int8), self.batch).parts
+        eager: dict = {}  # the eager model's parts, computed only where a family borrows (a decision prices ~230)
+
+        def eager_s(name: str) -> float:
+            if not eager:
+                eager.update(predict(plan, self.costs, self.acceptance(plan.int8), self.batch).parts)
+            return eager["tree" if name == "draft" and plan.mode == "ssd" else name]
+
         parts = {}
         if self.draft_compiled:
             own = self.memory.lines.get(("draft", family(plan), plan.int8))
             others = [line for key, line in self.memory.lines.items()
                       if key[0] == "draft" and key[2] == plan.int8 and line]
-            eager_draft = eager["tree" if plan.mode == "ssd" else "draft"]
-            sizes = {"draft": (tree_forwards(plan), eager_draft)}
+            sizes = {"draft": tree_forwards(plan)}
             if plan.mode == "ssd":
-                sizes["backup"] = (float(plan.K), eager["backup"])  # K single-token steps
-            for name, (size, eager_s) in sizes.items():
+                sizes["backup"] = float(plan.K)  # K single-token steps
+            for name, size in sizes.items():
                 if own:
                     parts[name] = own(size)
                 elif others:
-                    parts[name] = min(eager_s, min(line(size) for line in others))
+                    parts[name] = min(eager_s(name), min(line(size) for line in others))
         if self.plain_compiled:
             own = self.memory.lines.get(("verify", family(plan)))
             if own:
                 parts["verify"] = own(plan.K + 1)
             elif self.memory.verify.n >= MIN_ROUNDS:
-                parts["verify"] = eager["verify"] * min(1.0, self.memory.verify.value)
+                parts["verify"] = eager_s("verify") * min(1.0, self.memory.verify.value)
         return parts
 
     def record_draft(self, plan: Plan, seconds: float, step_s: float | None = None) -> None:
