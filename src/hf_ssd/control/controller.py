@@ -21,7 +21,7 @@ from hf_ssd.control.costs import Costs
 from hf_ssd.control.decision import Decision, Horizon, family, retunable, simpler
 from hf_ssd.control.exploration import (alpha_exploration, family_exploration, second_look, still_exploring,
                                         untried_score)
-from hf_ssd.control.learned_line import LearnedLine, tree_forwards
+from hf_ssd.control.learned_line import LearnedLine, measured_parts, tree_forwards
 from hf_ssd.control.memory import Memory, Tally
 from hf_ssd.control.plan import MAX_K, Acceptance, Plan, Prediction, candidates, predict, verify_s
 from hf_ssd.control.shortlist import candidates_key, make_shortlist
@@ -130,42 +130,14 @@ class Controller:
         return replace(pred, parts=dict(pred.parts))
 
     def compiled_parts(self, plan: Plan) -> dict:
-        """Seconds of `plan`'s round parts priced off the compiled rounds measured so far (control.learned_line)
-        instead of the eager cost lines: its draft work (an SSD tree, a synchronous draft) and an SSD miss's JIT
-        backup where the draft runs compiled, its verify where the target does.
-
-        A family that has not run borrows: the draft lines of the other families (a forward is a forward), the
-        verify's measured ratio to its cost line (Memory.verify), each only where cheaper than the eager line
-        (a family never looks worse than the model says before it has run). Nothing before a round measured."""
+        """Seconds of `plan`'s round parts priced off the compiled rounds measured so far, instead of the eager cost
+        lines (control.learned_line.measured_parts)."""
         if plan.mode == "plain" or not (self.draft_compiled or self.plain_compiled):
             return {}
-        eager: dict = {}  # the eager model's parts, computed only where a family borrows (a decision prices ~230)
-
-        def eager_s(name: str) -> float:
-            if not eager:
-                eager.update(predict(plan, self.costs, self.acceptance(plan.int8), self.batch).parts)
-            return eager["tree" if name == "draft" and plan.mode == "ssd" else name]
-
-        parts = {}
-        if self.draft_compiled:
-            own = self.memory.lines.get(("draft", family(plan), plan.int8))
-            others = [line for key, line in self.memory.lines.items()
-                      if key[0] == "draft" and key[2] == plan.int8 and line]
-            sizes = {"draft": tree_forwards(plan)}
-            if plan.mode == "ssd":
-                sizes["backup"] = float(plan.K)  # K single-token steps
-            for name, size in sizes.items():
-                if own:
-                    parts[name] = own(size)
-                elif others:
-                    parts[name] = min(eager_s(name), min(line(size) for line in others))
-        if self.plain_compiled:
-            own = self.memory.lines.get(("verify", family(plan)))
-            if own:
-                parts["verify"] = own(plan.K + 1)
-            elif self.memory.verify.n >= MIN_ROUNDS:
-                parts["verify"] = eager_s("verify") * min(1.0, self.memory.verify.value)
-        return parts
+        ratio = self.memory.verify.value if self.memory.verify.n >= MIN_ROUNDS else None
+        return measured_parts(plan, self.memory.lines, lambda: predict(plan, self.costs, self.acceptance(plan.int8),
+                                                                      self.batch).parts,
+                              self.draft_compiled, self.plain_compiled, ratio)
 
     def record_draft(self, plan: Plan, seconds: float, step_s: float | None = None) -> None:
         """One round's draft work of `plan` (an SSD tree, a synchronous draft) took `seconds`, of which each of its

@@ -24,6 +24,9 @@ at α = 1, where K = 8 ran 1.4x faster) and a verify as flat (a compiled verify 
 """
 from __future__ import annotations
 
+from typing import Callable
+
+from hf_ssd.control.decision import family
 from hf_ssd.control.memory import Ema
 from hf_ssd.control.plan import Plan
 
@@ -77,3 +80,39 @@ class LearnedLine:
         slope = max(slope, 0.0)  # a longer tree or verify never costs less (a negative slope is noise)
         fixed = max(mt - slope * mx, 0.0)
         return fixed + slope * x
+
+
+def measured_parts(plan: Plan, lines: dict, eager_parts: Callable[[], dict], draft_compiled: bool,
+                   target_compiled: bool, verify_ratio: float | None) -> dict:
+    """Seconds of `plan`'s round parts from the lines its compiled rounds measured (Memory.lines): its draft work
+    (an SSD tree, a synchronous draft) and an SSD miss's JIT backup where the draft runs compiled, its verify where
+    the target does. A family that has not run borrows: the draft lines of the other families (a forward is a
+    forward), the verifies' measured ratio to the eager line (`verify_ratio`), each only where cheaper than the
+    eager price (`eager_parts()`, the eager model's parts; a family never looks worse than the model says before it
+    has run). Nothing before a round measured."""
+    eager: dict = {}  # computed only where a family borrows (a decision prices ~230 plans)
+
+    def eager_s(name: str) -> float:
+        if not eager:
+            eager.update(eager_parts())
+        return eager["tree" if name == "draft" and plan.mode == "ssd" else name]
+
+    parts = {}
+    if draft_compiled:
+        own = lines.get(("draft", family(plan), plan.int8))
+        others = [line for key, line in lines.items() if key[0] == "draft" and key[2] == plan.int8 and line]
+        sizes = {"draft": tree_forwards(plan)}
+        if plan.mode == "ssd":
+            sizes["backup"] = float(plan.K)  # K single-token steps
+        for name, size in sizes.items():
+            if own:
+                parts[name] = own(size)
+            elif others:
+                parts[name] = min(eager_s(name), min(line(size) for line in others))
+    if target_compiled:
+        own = lines.get(("verify", family(plan)))
+        if own:
+            parts["verify"] = own(plan.K + 1)
+        elif verify_ratio is not None:
+            parts["verify"] = eager_s("verify") * min(1.0, verify_ratio)
+    return parts
