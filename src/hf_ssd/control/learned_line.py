@@ -20,7 +20,7 @@ launch returns before it has run): the rest of a tree's time is its fixed work (
 cache it builds), ~2-3 ms of a K = 2 tree's 6-8 ms on the overhead workload. Without it the line goes through the
 sizes seen by least squares, where they are at least a forward apart, and from one size alone a tree or a draft
 is priced in proportion to its forwards (which overrates longer trees: from SSD K = 2 it priced K = 8 no faster
-at α = 1, where K = 8 ran 1.4x faster) and a verify as flat (a compiled verify of 9 tokens took 1.1x one of 5).
+at α = 1, where K = 8 ran 1.7x faster) and a verify as flat (a compiled verify of 9 tokens took 1.1x one of 5).
 """
 from __future__ import annotations
 
