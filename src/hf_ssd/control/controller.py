@@ -176,18 +176,22 @@ class Controller:
                 return max(modelled + extra, 0.5 * modelled)
         return modelled * self.calibration(fam, max_age)
 
+    def _measured_rounds(self, max_age: int | None) -> list[tuple[Plan, float]]:
+        """(plan, measured seconds a round) of the plans that ran MIN_ROUNDS rounds, measured at most `max_age`
+        rounds ago (None: any age)."""
+        return [(plan, measured.value) for plan, measured in self.memory.round_s.items()
+                if measured.n >= MIN_ROUNDS and (max_age is None or self.memory.age(plan) <= max_age)]
+
     def _extra(self, fam: str, max_age: int | None) -> float | None:
         """Median seconds the measured plans of family `fam` took per round beyond their modelled round; None
         where none has run."""
-        extra = [measured.value - self.model(plan).round_s for plan, measured in self.memory.round_s.items()
-                 if family(plan) == fam and measured.n >= MIN_ROUNDS
-                 and (max_age is None or self.memory.age(plan) <= max_age)]
+        extra = [seconds - self.model(plan).round_s for plan, seconds in self._measured_rounds(max_age)
+                 if family(plan) == fam]
         return statistics.median(extra) if extra else None
 
     def _calibration(self, mode: str, max_age: int | None) -> float:
-        ratios = {plan: measured.value / max(self.model(plan).round_s, 1e-9)
-                  for plan, measured in self.memory.round_s.items()
-                  if measured.n >= MIN_ROUNDS and (max_age is None or self.memory.age(plan) <= max_age)}
+        ratios = {plan: seconds / max(self.model(plan).round_s, 1e-9)
+                  for plan, seconds in self._measured_rounds(max_age)}
         own = [r for plan, r in ratios.items() if family(plan) == mode]
         if own:
             return statistics.median(own)

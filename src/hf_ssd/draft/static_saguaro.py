@@ -224,12 +224,12 @@ class StaticSaguaroDrafter(SaguaroDrafter):
         calls, run_s, compile_s = kv.compiled_calls, kv.compiled_run_s, kv.compile_s
         self.begin_no_sync(spec)
         self.draft_span = (t0, self.stats.now())
-        # every forward ran a compiled graph, none compiled
-        if kv.device.type == "cpu" and kv.compiled_calls - calls == forwards and kv.compile_s == compile_s:
-            self.stats.draft_step_s = (kv.compiled_run_s - run_s) / forwards
+        # only where every forward ran a compiled graph and none compiled (else no reading for this tree)
+        timed = kv.device.type == "cpu" and kv.compiled_calls - calls == forwards and kv.compile_s == compile_s
+        self.stats.draft_step_s = (kv.compiled_run_s - run_s) / forwards if timed else None
         self.backup.t_tree.add(self.draft_span[1] - t0)
         self.t_forward.add((self.draft_span[1] - t0) / forwards)
-        self.stats.draft_compile_s = round(self.draft.kv.compile_s, 4)
+        self.stats.draft_compile_s = round(kv.compile_s, 4)
         self.stats.draft_compiled = self.draft.kv.compiled_calls > 0
 
     # ---- off the hot path ---------------------------------------------------------------------------------------
