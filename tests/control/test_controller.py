@@ -1021,6 +1021,9 @@ def test_a_switch_to_uncompiled_shapes_pays_for_their_compiles(monkeypatch):
         assert decision.plan == one  # 3 s of compiles (its verify width 5) for a 64-token call: keep K=1
         priced = next(p for p in decision.table if p.plan == four)
         assert priced.parts["compile"] == pytest.approx(3.0)  # one graph (verify 5 wide; draft widths 1, 2 built)
+        # the call's record says what the decision ranked by: the speed over the call, with the compiling in it
+        row = next(r for r in drafter_mod.call_record(ctl, decision)["predicted"] if r["plan"] == four.label)
+        assert row["compile_s"] == pytest.approx(3.0) and row["call_tok_s"] < row["tok_s"]
         # transformers' compiled plain loop: a few of ours until a hand-off measured it
         assert ctl.compile_s(Plan("plain"), horizon, in_loop=False) == pytest.approx(3.0 * PLAIN_LOOP_PRIOR_GRAPHS)
         record_plain_loop_compile(ctl.target, 21.0)

@@ -261,5 +261,13 @@ def call_record(controller: Controller, decision: Decision, note: str = "") -> d
 
 
 def _row(pred) -> dict:
-    return {"plan": pred.plan.label, "tok_s": round(pred.tokens_per_s, 3), "round_s": round(pred.round_s, 5),
-            "p_hit": None if pred.p_hit is None else round(pred.p_hit, 3)}
+    """One plan's prediction; where the call priced a start-up (draft prefill, compiling), also the speed over the
+    call that the decision ranked by, and the compiling in it (a plan fast per round but with graphs to build
+    ranks below slower built ones)."""
+    row = {"plan": pred.plan.label, "tok_s": round(pred.tokens_per_s, 3), "round_s": round(pred.round_s, 5),
+           "p_hit": None if pred.p_hit is None else round(pred.p_hit, 3)}
+    if pred.startup_s > 0 and pred.horizon > 0:
+        row["call_tok_s"] = round(pred.call_tokens_per_s, 3)
+    if pred.parts.get("compile", 0.0) > 0:
+        row["compile_s"] = round(pred.parts["compile"], 3)
+    return row

@@ -167,7 +167,7 @@ def _call_record(control: dict[str, Any]) -> dict[str, Any]:
     """One call's controller record, small enough to keep per sample: the plan it ended on, its first decision's
     reason and top predictions, and its switches."""
     return {"ended_on": control.get("choice"), "first_reason": control.get("reason"),
-            "predicted": (control.get("predicted") or [])[:3],
+            "predicted": (control.get("predicted") or [])[:6],
             "switches": [f"round {sw.get('round')}: {sw.get('from')} -> {sw.get('to')}"
                          for sw in control.get("switches") or []]}
 
