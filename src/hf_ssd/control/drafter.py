@@ -129,9 +129,9 @@ class ControlledDrafter(Drafter):
                 return self._switch(decision, verdict)
         compiles = self._compiles()
         result = self.current.resolve(verdict)
-        if self.round_recorded and result.draft_span is not None and self._compiles() == compiles:
+        if self.round_recorded and result.draft_s is not None and self._compiles() == compiles:
             step_s = self.stats.draft_step_s if self.plan.mode == "ssd" else None
-            self.controller.record_draft(self.plan, result.draft_span[1] - result.draft_span[0], step_s)
+            self.controller.record_draft(self.plan, result.draft_s, step_s)
         if result.hits is not None:
             self.memory.hits += float(result.hits.sum())
             self.memory.lookups += result.hits.numel()

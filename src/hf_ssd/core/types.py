@@ -81,4 +81,7 @@ class DraftResult:
     hits: torch.Tensor | None = None  # [B'] bool per kept row: outcome found in the speculation cache (None: no cache)
     backup: str | None = None  # backup kind that served the rows that missed ("jit" / "ngram"), None if none did
     draft_span: tuple[float, float] | None = None  # (start, end) of the round's draft work, seconds on stats' clock
+    # seconds of device work of the draft this round used (its tree, or the synchronous draft it verified): the
+    # span's length on a CPU, CUDA events on a GPU, where the span times only the launches (core.device_span)
+    draft_s: float | None = None
     handover_s: float | None = None  # seconds resolve spent handing data to and from a worker (None: inline)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from hf_ssd.core.backup import BackupPolicy
+from hf_ssd.core.device_span import DeviceSpan
 from hf_ssd.config import SSDConfig
 from hf_ssd.core.types import SOURCE_CACHE, SOURCE_NAMES, SOURCE_NGRAM, DraftResult, Forks, Outcome, Speculation, Verdict
 from hf_ssd.draft.model import DraftModel
@@ -57,6 +58,8 @@ class SaguaroDrafter(Drafter):
         self.backup = BackupPolicy(config)
         self.cache: SpeculationCache | None = None
         self.draft_span = None
+        self.tree_span: DeviceSpan | None = None  # the last tree's device time, read once its lookup has synced
+        self.jit_span: DeviceSpan | None = None  # the last neural backup's, read a round later
         self._unlearned: tuple | None = None  # the last resolved round, until settle() learns from it
         self._plan()
         stats.budget = budget
@@ -95,6 +98,7 @@ class SaguaroDrafter(Drafter):
         self.settle()
         t0 = self.stats.now()
         kv, K = self.draft.kv, self.K
+        self.tree_span = DeviceSpan(kv.device)
         self.spec = spec
         tokens, n = spec.tokens.to(kv.device), spec.n.to(kv.device)
         fanout = self._fanout(spec.source.to(kv.device), n)
@@ -119,14 +123,18 @@ class SaguaroDrafter(Drafter):
             branch_q.append(q)
         q_all = None if self.greedy else torch.stack(branch_q, dim=2)
         self.cache = SpeculationCache(forks, torch.stack(branch_tokens, dim=2), q_all)
+        self.tree_span.stop()
         self.draft_span = (t0, self.stats.now())
-        self.backup.t_tree.add(self.draft_span[1] - t0)
 
     def resolve(self, verdict: Verdict) -> DraftResult:
         kv, outcome = self.draft.kv, verdict.outcome
         k, bonus = outcome.accepted.to(kv.device), outcome.bonus.to(kv.device)
         hit, branch = self.cache.lookup(outcome)
-        self._learn_backup(outcome, hit, self.spec, verdict.verify_s)
+        self._learn_backup(outcome, hit, self.spec, verdict.verify_s)  # a host read: the tree is done
+        tree_s = self._tree_timed()
+        if self.jit_span is not None:  # the last neural backup's device time: its drafts were verified since
+            self.backup.t_jit.add(self.jit_span.seconds())
+            self.jit_span = None
         # the rest is learned in settle(), once the next speculation is handed over (the process worker's child
         # settles right after its answer; otherwise the next begin does): ~0.3 ms a round off the critical path
         self._unlearned = (outcome, self.spec, self.glue_scores)
@@ -159,17 +167,27 @@ class SaguaroDrafter(Drafter):
             self.stats.backup_rounds[backup] += 1
             t0 = self.stats.now()
             if backup == "jit":
+                span = DeviceSpan(kv.device)
                 spec = self._jit(~hit)
                 parts.append((miss_rows, Speculation(spec.tokens[miss_rows], spec.n[miss_rows],
                                                      None if spec.q is None else spec.q[miss_rows],
                                                      spec.source[miss_rows])))
-                self.backup.t_jit.add(self.stats.now() - t0)
+                self.jit_span = span.stop()  # read at the next resolve, once its drafts were verified
             else:
                 contexts = [verdict.contexts[i] for i in miss_rows.tolist()]
                 parts.append((miss_rows, self._ngram(contexts)))
                 self.backup.t_fast.add(self.stats.now() - t0)
         self.stats.backup_threshold = self.backup.threshold() if self.backup.forced is None else None
-        return DraftResult(Speculation.merge(parts, B), hits=hit.cpu(), backup=backup, draft_span=self.draft_span)
+        return DraftResult(Speculation.merge(parts, B), hits=hit.cpu(), backup=backup, draft_span=self.draft_span,
+                           draft_s=tree_s)
+
+    def _tree_timed(self) -> float | None:
+        """The looked-up tree's device seconds, fed to the backup policy (before it chooses this round's backup)."""
+        if self.tree_span is None:
+            return None
+        tree_s, self.tree_span = self.tree_span.seconds(), None
+        self.backup.t_tree.add(tree_s)
+        return tree_s
 
     def close(self) -> None:
         try:

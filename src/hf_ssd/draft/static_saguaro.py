@@ -27,6 +27,7 @@ import torch
 
 from hf_ssd.config import SSDConfig
 from hf_ssd.core.backup import Mean
+from hf_ssd.core.device_span import DeviceSpan
 from hf_ssd.core.sampling import BAD_PROBS, sample, saguaro_probs
 from hf_ssd.core.speed_model import expected_tokens_per_round
 from hf_ssd.core.tree import fork, tree_width
@@ -222,13 +223,14 @@ class StaticSaguaroDrafter(SaguaroDrafter):
         forwards = self.K if self.carried is not None else self.K + 1
         kv = self.draft.kv
         calls, run_s, compile_s = kv.compiled_calls, kv.compiled_run_s, kv.compile_s
+        self.tree_span = DeviceSpan(kv.device)
         self.begin_no_sync(spec)
+        self.tree_span.stop()
+        self.tree_forwards = forwards
         self.draft_span = (t0, self.stats.now())
         # only where every forward ran a compiled graph and none compiled (else no reading for this tree)
         timed = kv.device.type == "cpu" and kv.compiled_calls - calls == forwards and kv.compile_s == compile_s
         self.stats.draft_step_s = (kv.compiled_run_s - run_s) / forwards if timed else None
-        self.backup.t_tree.add(self.draft_span[1] - t0)
-        self.t_forward.add((self.draft_span[1] - t0) / forwards)
         self.stats.draft_compile_s = round(kv.compile_s, 4)
         self.stats.draft_compiled = self.draft.kv.compiled_calls > 0
 
@@ -237,6 +239,12 @@ class StaticSaguaroDrafter(SaguaroDrafter):
         if self._bad is not None and bool(self._bad):  # a NaN must never become a token (see check_probs)
             raise RuntimeError(BAD_PROBS)
         return super().resolve(verdict)
+
+    def _tree_timed(self) -> float | None:
+        tree_s = super()._tree_timed()
+        if tree_s is not None:
+            self.t_forward.add(tree_s / self.tree_forwards)
+        return tree_s
 
     def _reuse_pays(self) -> bool:
         """Carrying the tree over saves one of the tree's K + 1 forwards, which shortens the round where the tree is

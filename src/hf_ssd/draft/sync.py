@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from hf_ssd.core.device_span import DeviceSpan
 from hf_ssd.core.types import DraftResult, Speculation, Verdict
 from hf_ssd.draft.model import DraftModel
 from hf_ssd.draft.protocol import Drafter
@@ -20,6 +21,7 @@ class SyncDrafter(Drafter):
         runtime.static_kv.static_cache_len); None: K for a static cache, unbounded for a dynamic one."""
         self.draft, self.K, self.stats = draft, K, stats
         self.max_K = max_K if max_K is not None else (K if getattr(draft.kv, "static", False) else None)
+        self.span: tuple[DeviceSpan, int] | None = None  # the last draft's device time, and its number of steps
 
     @property
     def forwards(self) -> int:
@@ -27,8 +29,10 @@ class SyncDrafter(Drafter):
 
     def _draft(self, pending: torch.Tensor, pending_valid: torch.Tensor) -> Speculation:
         t0 = self.stats.now()
+        span = DeviceSpan(self.draft.kv.device)
         self.first_draft_slot = self.draft.kv.write_pointer() + pending.shape[1]  # [B]: static rows advance apart
         self.spec = self.draft.jit(pending, pending_valid, self.K)
+        self.span = (span.stop(), self.K)
         kv = self.draft.kv
         if getattr(kv, "static", False):  # ssd_compile: say whether the draft steps ran compiled, and at what cost
             self.stats.draft_static = True
@@ -49,7 +53,16 @@ class SyncDrafter(Drafter):
         self.K = K
         return True
 
+    def _verified_draft_s(self) -> float | None:
+        """Device seconds of the draft this round verified (done: its tokens were verified and committed), where
+        it drafted as many steps as the next one will (a retune in between changes K): read one round late, so a
+        GPU's draft is timed by its events without a sync before the verify."""
+        if self.span is None or self.span[1] != self.K:
+            return None
+        return self.span[0].seconds()
+
     def resolve(self, verdict: Verdict) -> DraftResult:
+        drafted_s = self._verified_draft_s()
         kv, K = self.draft.kv, self.spec.tokens.shape[1]  # the verified speculation's K (retune may have moved it)
         k = verdict.outcome.accepted.to(kv.device)
         # The cache holds pending + d_1..d_{K-1}; keep the accepted drafts among them.
@@ -61,7 +74,7 @@ class SyncDrafter(Drafter):
         rows = verdict.keep.nonzero().squeeze(1).to(kv.device)
         kv.select_rows(rows)
         spec = self._draft(pending[rows], pending_valid[rows])
-        return DraftResult(spec, draft_span=self.draft_span)
+        return DraftResult(spec, draft_span=self.draft_span, draft_s=drafted_s)
 
     def close(self) -> None:
         # a static cache goes back to the registry now, not whenever garbage collection gets to it: the next

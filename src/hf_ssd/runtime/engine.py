@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
+from hf_ssd.core.device_span import DeviceSpan
 from hf_ssd.core.types import DraftResult, Outcome, Speculation, Verdict
 from hf_ssd.core.verify import draft_slots, verify_greedy, verify_sampled
 from hf_ssd.runtime.history import History
@@ -70,8 +71,10 @@ class Engine:
             self.drafter.begin(spec)
             # 2. The target verifies the speculation; 3. accepted drafts + bonus are committed.
             active = rows.tolist()
-            outcome, record, scores, logits = self._verify(spec, self.history.rows(active), next_pos, rows)
+            outcome, record, scores, logits, span = self._verify(spec, self.history.rows(active), next_pos, rows)
             done = self._commit(active, spec, outcome, out, scores, logits)
+            if span.cuda:  # the verify's work, not its launches (the commit's host reads waited for it)
+                record.verify_end = record.verify_start + span.seconds()
             keep = ~done
             record.rows = len(active)
             # 4. The target cache keeps pending + accepted drafts; the rejected tail becomes holes, then is cropped.
@@ -96,6 +99,7 @@ class Engine:
     # ---- verify -------------------------------------------------------------------------------------------------
     def _verify(self, spec: Speculation, prefixes: list[torch.Tensor], next_pos: torch.Tensor, rows: torch.Tensor):
         record = RoundRecord(verify_start=self.stats.now(), verify_end=0.0)
+        span = DeviceSpan(self.target.device)
         K = spec.tokens.shape[1]
         pending = torch.stack([p[-1] for p in prefixes]).to(self.target.device)
         block = torch.cat([pending[:, None], spec.tokens.to(self.target.device)], dim=1)
@@ -111,10 +115,11 @@ class Engine:
             # a speculation with no drafts at all (plain target steps) carries no q; its slots are never accepted
             q = spec.q.to(p.device) if spec.q is not None else p.new_zeros(p.shape[0], K, p.shape[-1])
             outcome = verify_sampled(spec.tokens.to(p.device), spec.n.to(p.device), p, q, self.generator)
+        span.stop()
         record.verify_end = self.stats.now()
         self.stats.rounds += 1
         self.stats.drafted += int(spec.n.sum())
-        return outcome, record, scores, logits
+        return outcome, record, scores, logits, span
 
     # ---- commit -------------------------------------------------------------------------------------------------
     def _commit(self, active: list[int], spec: Speculation, outcome: Outcome, out: RowOutputs, scores, logits):

@@ -149,8 +149,8 @@ def _serve(conn, model, quantize) -> None:
                 compute_s = time.perf_counter() - t0
                 shape = exchange.write_result(result)
                 info = {name: getattr(stats, name) for name in SHARED_STATS}
-                conn.send((seq, "ok", (*shape, result.backup, result.draft_span, info, drafter.forwards, compute_s,
-                                       begin_end)))
+                conn.send((seq, "ok", (*shape, result.backup, result.draft_span, result.draft_s, info,
+                                       drafter.forwards, compute_s, begin_end)))
                 begin_end = None
                 try:  # learning from the round, once the parent has its answer (off the round's critical path)
                     drafter.settle()
@@ -408,7 +408,7 @@ class ProcessDrafter(Drafter):
         rows, kept = exchange.write_verdict(verdict)
         seq = self.worker.send("resolve", rows, kept, verdict.verify_s)
         sent = time.perf_counter()
-        (out_rows, has_q, has_hits, backup, draft_span, info, self.remote_forwards, compute_s,
+        (out_rows, has_q, has_hits, backup, draft_span, draft_s, info, self.remote_forwards, compute_s,
          begin_end) = self.worker._answer("resolve", seq)
         if out_rows != kept:
             raise RuntimeError(f"the draft process returned {out_rows} rows for {kept} kept rows")
@@ -422,7 +422,8 @@ class ProcessDrafter(Drafter):
         # Hand-over: this call's wall time less the child's own resolve and any wait for its tree build to end.
         waited = 0.0 if begin_end is None else max(0.0, begin_end - sent)
         handover = max(0.0, time.perf_counter() - t0 - compute_s - waited)
-        return DraftResult(spec, hits=hits, backup=backup, draft_span=draft_span, handover_s=handover)
+        return DraftResult(spec, hits=hits, backup=backup, draft_span=draft_span, draft_s=draft_s,
+                           handover_s=handover)
 
     def _answering(self) -> bool:
         """Can the child still be asked something (alive, the pipe in step, not closed)?"""
