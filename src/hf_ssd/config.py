@@ -22,7 +22,7 @@ MAX_BUDGET = 4096  # branches per row; more only slows the tree build (and the c
 
 # The type each option must have (None is allowed where the default is None); checked before any value.
 INT_OPTIONS = ("num_draft_tokens", "budget", "backup_batch_threshold", "ngram_max", "draft_threads", "target_threads")
-FLOAT_OPTIONS = ("alpha", "power_r", "downweight", "draft_temperature")
+FLOAT_OPTIONS = ("alpha", "alpha_prior", "power_r", "downweight", "draft_temperature")
 STR_OPTIONS = ("mode", "backup", "worker", "draft_device", "draft_quantize")
 BOOL_OPTIONS = ("trust_processors", "compile_target")
 LIST_OPTIONS = ("fanout", "fanout_after_miss")
@@ -44,6 +44,9 @@ class SSDConfig:
     fanout: list[int] | None = None  # explicit F_0..F_K after a hit (overrides the geometric schedule)
     fanout_after_miss: list[int] | None = None  # explicit F_0..F_K after a miss
     alpha: float | None = None  # fixed acceptance rate for the fan-out (None = estimated online)
+    # the α the online estimate starts from, before a generation's own rounds (None: 0.7); ssd=True passes the α it
+    # measured for the pair, so a call's first tree covers the outcomes that are likely, not those of the prior
+    alpha_prior: float | None = None
     power_r: float | None = None  # fixed power-law exponent r of the miss rate (None = estimated online)
     downweight: float = 1.0  # Saguaro sampling constant C in [0, 1]; 1 = plain sampling
     backup: str = "auto"  # on a cache miss: "jit" neural draft, "ngram" prompt lookup, "auto" = by batch size
@@ -89,6 +92,8 @@ class SSDConfig:
                 raise bad(name, f"give num_draft_tokens+1 = {self.num_draft_tokens + 1} non-negative integers")
         if self.alpha is not None and not 0.0 < self.alpha < 1.0:
             raise bad("alpha", "use a float strictly between 0 and 1, or None to estimate it")
+        if self.alpha_prior is not None and not 0.0 < self.alpha_prior <= 1.0:
+            raise bad("alpha_prior", "use a float in (0, 1], or None to start from 0.7")
         if self.power_r is not None and not self.power_r > 0.0:
             raise bad("power_r", "use a positive float, or None to estimate it")
         if not 0.0 <= float(self.downweight) <= 1.0:

@@ -110,8 +110,8 @@ def run_session(
     d_device = input_device(draft)
     d_gen = None if greedy else draft_generator(generator, d_device)
 
-    def build(plan: Plan) -> Drafter:
-        """The plan's drafter behind its exact fallback chain."""
+    def build(plan: Plan, alpha_prior: float | None = None) -> Drafter:
+        """The plan's drafter behind its exact fallback chain (`alpha_prior`: the α its fan-out starts from)."""
         model = quantized_draft(draft, "int8" if plan.int8 else None)
         K = plan.K
 
@@ -119,7 +119,8 @@ def run_session(
             return DraftModel(model, batch, vocab, draft_processors, greedy, downweight, d_gen, kv)
 
         def ssd_drafter() -> Drafter:
-            plan_config = config.updated(**plan.options())
+            plan_config = config.updated(**plan.options(), **({} if alpha_prior is None else
+                                                                  {"alpha_prior": alpha_prior}))
             max_length = generation_config.max_length
             in_process = worker is None and plan_config.worker != "process"  # a process worker builds its own
             kv = static_draft_cache(model, plan_config, B, max_length, K, plan.budget, vocab) if in_process else None

@@ -131,6 +131,7 @@ def test_misspelt_ssd_kwarg(llm):
         (dict(ssd_backup="random"), r"ssd_backup='random' is invalid: choose one of"),
         (dict(ssd_draft_temperature=0.0), "ssd_draft_temperature=0.0 is invalid"),
         (dict(ssd_alpha=1.0), "ssd_alpha=1.0 is invalid"),
+        (dict(ssd_alpha_prior=0.0), r"ssd_alpha_prior=0.0 is invalid: use a float in \(0, 1\]"),
         (dict(ssd_worker="gpu"), "ssd_worker='gpu' is invalid"),
         (dict(ssd_ngram_max=0), "ssd_ngram_max=0 is invalid"),
     ],

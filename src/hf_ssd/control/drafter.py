@@ -36,7 +36,7 @@ CONFIRMATIONS = 2
 
 
 class ControlledDrafter(Drafter):
-    def __init__(self, controller: Controller, build: Callable[[Plan], Drafter], stats: SSDStats,
+    def __init__(self, controller: Controller, build: Callable[..., Drafter], stats: SSDStats,
                  decision: Decision | None = None, disturbed: Callable[[], bool] = lambda: False,
                  max_length: int | None = None):
         """decision: the controller's first decision, if the caller made it already. disturbed: is something else
@@ -53,7 +53,7 @@ class ControlledDrafter(Drafter):
         # The prompt's prefills (the target's, then the draft's) run alone, on every thread the caller gave; the
         # plan's split of the cores starts with its rounds (start()).
         self.caller_threads = torch.get_num_threads()
-        self.current = build(self.plan)
+        self.current = self._build(self.plan)
         controller.mark_compiled(self.plan)
         self.prefill_slower_s = 0.0  # what prepare()'s overlapped start added to the target's prefill (modelled)
         self.retired_forwards = 0
@@ -68,6 +68,14 @@ class ControlledDrafter(Drafter):
         self.compiles_seen = self._compiles()
         self.compiled_last_round = False
         self.round_recorded = False  # did _observe record this round's time (then resolve records its draft work)
+
+    def _build(self, plan: Plan) -> Drafter:
+        """The plan's drafter, its fan-out starting from the α measured so far (pooled over calls, then this call's):
+        started from the prior 0.7, a K = 8 tree gave the outcome "all 8 accepted" no branch in a call's first
+        round (0.7^8 = 6%), and at α = 1 every call's first lookup missed."""
+        if plan.mode != "ssd" or self.controller.memory.alpha_rounds == 0:
+            return self.build(plan)
+        return self.build(plan, alpha_prior=self.controller.acceptance(plan.int8).alpha)
 
     @property
     def kind(self) -> str:
@@ -227,7 +235,7 @@ class ControlledDrafter(Drafter):
         self.current.close()
         self.plan = decision.plan
         torch.set_num_threads(self.caller_threads)  # the restart's prefill runs alone, on every thread
-        self.current = self.build(self.plan)
+        self.current = self._build(self.plan)
         self.controller.mark_compiled(self.plan, in_loop=True)
         context = max(c.shape[0] for c in verdict.contexts)
         spec = self._timed_start(lambda: self.current.restart(verdict.contexts, verdict.masks()), context)

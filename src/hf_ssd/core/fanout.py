@@ -219,6 +219,10 @@ def _pair(x: float | tuple[float, float] | None) -> tuple[float | None, float | 
     return x if isinstance(x, tuple) else (x, x)
 
 
+# α before any round is observed: after a hit (the primary draft proposed) and after a miss (a backup did)
+PRIOR_ALPHA = (0.7, 0.4)
+
+
 class FanoutPlanner:
     """Fan-out schedules for the two cases of docs/algorithm.md §4: after a hit the next proposal comes from the
     primary draft, after a miss from the backup (different α, hence a different schedule). User overrides win over
@@ -227,7 +231,7 @@ class FanoutPlanner:
 
     def __init__(self, budget: int, K: int, *, alpha: float | tuple[float, float] | None = None,
                  r: float | tuple[float, float] | None = None, fanout: Sequence[int] | None = None,
-                 fanout_after_miss: Sequence[int] | None = None, prior_alpha: tuple[float, float] = (0.7, 0.4),
+                 fanout_after_miss: Sequence[int] | None = None, prior_alpha: tuple[float, float] = PRIOR_ALPHA,
                  window: float | None = None, fmax: int = RANK_FMAX):
         if budget < 0 or K < 0:
             raise ValueError(f"need budget >= 0 and K >= 0, got {budget}, {K}")

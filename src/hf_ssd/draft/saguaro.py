@@ -15,7 +15,7 @@ from hf_ssd.config import SSDConfig
 from hf_ssd.core.types import SOURCE_CACHE, SOURCE_NAMES, SOURCE_NGRAM, DraftResult, Forks, Outcome, Speculation, Verdict
 from hf_ssd.draft.model import DraftModel
 from hf_ssd.draft.protocol import Drafter
-from hf_ssd.core.fanout import RANK_FMAX, FanoutPlanner
+from hf_ssd.core.fanout import PRIOR_ALPHA, RANK_FMAX, FanoutPlanner
 from hf_ssd.core.ngram import ngram_batch
 from hf_ssd.core.sampling import point_mass
 from hf_ssd.runtime.stats import SSDStats
@@ -51,9 +51,10 @@ class SaguaroDrafter(Drafter):
         # No tree holds more distinct outcomes (k, t*) than this: V-1 bonus guesses after each of k < K accepted
         # drafts (a rejected draft is never the bonus), V after all K; a larger budget would only cost time.
         budget = max(1, min(budget, (self.K + 1) * (draft.vocab_size - 1) + 1))
+        after_hit = PRIOR_ALPHA[0] if config.alpha_prior is None else config.alpha_prior
         self.planner = FanoutPlanner(
             budget, self.K, alpha=config.alpha, r=config.power_r, fanout=config.fanout,
-            fanout_after_miss=config.fanout_after_miss,
+            fanout_after_miss=config.fanout_after_miss, prior_alpha=(after_hit, PRIOR_ALPHA[1]),
         )
         self.backup = BackupPolicy(config)
         self.cache: SpeculationCache | None = None
