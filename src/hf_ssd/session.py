@@ -134,7 +134,8 @@ def run_session(
                 return SyncDrafter(draft_model(0, 1.0), K, stats)
             # room for the controller's largest K, so a switch that only changes K keeps this cache (retune)
             room = max(K, MAX_K)
-            kv = static_draft_cache(model, config, B, generation_config.max_length, room, 0, vocab, sync=True)
+            kv = static_draft_cache(model, config, B, generation_config.max_length, room, 0, vocab, sync=True,
+                                    prompt_len=input_ids.shape[1])
             return SyncDrafter(draft_model(B, 1.0, kv), K, stats, max_K=room if kv is not None else None)
 
         stats.mode = plan.mode
@@ -160,7 +161,7 @@ def run_session(
     else:
         try:
             controller = make_controller(target, draft, B, greedy, config, d_device, worker, pooled is not None,
-                                         max_length=generation_config.max_length)
+                                         max_length=generation_config.max_length, prompt_len=input_ids.shape[1])
         except Exception as exc:  # noqa: BLE001 - measuring runs the draft; a broken draft falls back, as in the chain
             reason = f"{type(exc).__name__}: {exc}"
             stats.fallback_reason = reason
@@ -175,7 +176,7 @@ def run_session(
             first = agreed(controller.decide(horizon=horizon))
             eager = eager_call(controller, first, lambda: make_controller(
                 target, draft, B, greedy, config.updated(compile=False, compile_target=False), d_device, worker,
-                pooled is not None, max_length=generation_config.max_length), horizon)
+                pooled is not None, max_length=generation_config.max_length, prompt_len=input_ids.shape[1]), horizon)
             if eager is not None:  # the compiled plans would compile: this call runs (and learns) as an eager one
                 controller, first = eager
                 config = config.updated(compile=False, compile_target=False)
@@ -254,7 +255,8 @@ def _ask_for_process(draft, wanted, pooled, stats: SSDStats, chosen: Plan | None
 
 
 def make_controller(target, draft, batch: int, greedy: bool, config: SSDConfig, device: torch.device,
-                    worker_handle, process_ready: bool = False, max_length: int | None = None) -> Controller:
+                    worker_handle, process_ready: bool = False, max_length: int | None = None,
+                    prompt_len: int = 0) -> Controller:
     allowed = constraints(config, device, worker_handle)
     costs = measure_costs(target, draft, batch, int8="int8" not in allowed or allowed["int8"])
     # compiled plans cost differently from eager ones: their measured rounds are kept apart. So are the calls whose
@@ -268,4 +270,5 @@ def make_controller(target, draft, batch: int, greedy: bool, config: SSDConfig, 
     prior = Acceptance(alpha=0.7)
     return Controller(costs, memory_for(key), batch, allowed, prior, fixed_alpha=config.alpha,
                       process_ready=process_ready, plain_compiled=config.compile_target,
-                      draft_compiled=config.compile is not False, target=target, max_length=max_length)
+                      draft_compiled=config.compile is not False, target=target, max_length=max_length,
+                      prompt_len=prompt_len)

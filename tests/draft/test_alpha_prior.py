@@ -11,9 +11,21 @@ from hf_ssd.testing import get_pair, left_pad, plain_generate, prompt
 K, BUDGET = 8, 2
 
 
+def _twin(model):
+    """A fresh model with `model`'s weights (α = 1 as a draft). Not the shared test model itself: other tests may
+    leave attributes on it (a compiled call) that a draft process cannot be sent."""
+    twin = type(model)(model.config).eval()
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
 def _generate(p, ids, mask, **kw):
-    return p.target.generate(ids, attention_mask=mask, assistant_model=p.target, ssd=True, max_new_tokens=40,
+    draft = _DRAFTS.setdefault(id(p.target), _twin(p.target))
+    return p.target.generate(ids, attention_mask=mask, assistant_model=draft, ssd=True, max_new_tokens=40,
                              do_sample=False, pad_token_id=0, return_dict_in_generate=True, **kw)
+
+
+_DRAFTS: dict = {}
 
 
 @pytest.mark.parametrize("worker", ["inline", "process"])
@@ -21,10 +33,11 @@ def test_a_tree_planned_from_a_high_alpha_hits_from_the_first_round(worker):
     p = get_pair("llama")
     ids, mask = left_pad([prompt(7, seed=3)[0]])
     ref = plain_generate(p.target, ids, attention_mask=mask, max_new_tokens=40)
-    fixed = dict(ssd_mode="ssd", ssd_worker=worker, ssd_num_draft_tokens=K, ssd_budget=BUDGET)
+    fixed = dict(ssd_mode="ssd", ssd_worker=worker, ssd_num_draft_tokens=K, ssd_budget=BUDGET, ssd_draft_quantize=None)
     cold = _generate(p, ids, mask, **fixed)
     warm = _generate(p, ids, mask, **fixed, ssd_alpha_prior=0.99)
     assert torch.equal(cold.sequences, ref) and torch.equal(warm.sequences, ref)
+    assert cold.ssd_stats["fallback_reason"] is None and warm.ssd_stats["fallback_reason"] is None
     lookups = warm.ssd_stats["cache_lookups"]
     assert lookups >= 3 and cold.ssd_stats["cache_hits"] == lookups - 1  # the first round, planned at 0.7
     assert warm.ssd_stats["cache_hits"] == lookups and warm.ssd_stats["backup_rounds"].get("jit", 0) == 0

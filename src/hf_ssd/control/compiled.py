@@ -11,7 +11,7 @@ run still gets compiled, and a call never stalls for a small gain.
 from __future__ import annotations
 
 from hf_ssd.control.plan import MAX_K, Plan
-from hf_ssd.runtime.static_choice import TARGET_K_MAX
+from hf_ssd.runtime.static_choice import TARGET_K_MAX, sync_sequence_len
 from hf_ssd.runtime.static_kv import static_cache_len
 from hf_ssd.runtime.static_registry import REUSE_LARGER
 
@@ -52,7 +52,7 @@ def graph_seconds(graph: tuple, target, per_graph_s: float) -> float:
 
 
 def plan_graphs(plan: Plan, draft: bool, target: bool, in_loop: bool = False,
-                max_length: int | None = None) -> frozenset[tuple]:
+                max_length: int | None = None, prompt_len: int = 0) -> frozenset[tuple]:
     """The compiled graphs `plan` runs on: its verify width (a compiled target), its draft widths (a compiled draft:
     glue K+1, tree N and N+1, single steps; synchronous SD 1 and 2), and for plain at the start of a call,
     transformers' compiled decode step. A process worker compiles in its own process, an int8 draft on its own
@@ -76,7 +76,7 @@ def plan_graphs(plan: Plan, draft: bool, target: bool, in_loop: bool = False,
         where = ("draft", plan.int8, plan.worker == "process")
         if plan.mode == "sync":  # runtime.static_choice: room for MAX_K drafts (a retune) and a hole per token
             widths: tuple[int, ...] = (1, 2)
-            slots = static_cache_len(2 * (max_length or 0), max(plan.K, MAX_K), 0)
+            slots = static_cache_len(sync_sequence_len(max_length or 0, prompt_len), max(plan.K, MAX_K), 0)
         else:
             widths = (1, plan.K + 1, plan.budget) + ((plan.budget + 1,) if plan.K >= 2 else ())
             slots = static_cache_len(max_length or 0, plan.K, plan.budget)

@@ -45,7 +45,7 @@ SWITCH_OPTIMISM = 1.0
 class Controller:
     def __init__(self, costs: Costs, memory: Memory, batch: int, allowed: dict, prior: Acceptance | None = None,
                  fixed_alpha: float | None = None, process_ready: bool = False, plain_compiled: bool = False,
-                 draft_compiled: bool = False, target=None, max_length: int | None = None):
+                 draft_compiled: bool = False, target=None, max_length: int | None = None, prompt_len: int = 0):
         """allowed: constraints from explicit options, e.g. {"mode": ("ssd",), "K": (4,), "budget": 8,
         "int8": False, "worker": "thread", "threads": (1, 1)}; absent keys are free. process_ready: a kept draft
         process is up (workers.pool), so process-worker plans are candidates beside the thread's. plain_compiled:
@@ -54,6 +54,7 @@ class Controller:
         (control.compiled; `target`: the model, whose compiled plain loop's measured compile time prices it)."""
         self.target = target
         self.max_length = max_length  # the call's length limit: our static caches (and graphs) are sized by it
+        self.prompt_len = prompt_len  # ... and by its prompt (a synchronous draft's room for holes)
         self.costs, self.memory, self.batch = costs, memory, batch
         self.plain_compiled, self.draft_compiled = plain_compiled, draft_compiled
         self.allowed = allowed
@@ -234,7 +235,7 @@ class Controller:
             line.add(plan.K + 1, seconds)
 
     def graphs(self, plan: Plan, in_loop: bool = False) -> frozenset[tuple]:
-        return plan_graphs(plan, self.draft_compiled, self.plain_compiled, in_loop, self.max_length)
+        return plan_graphs(plan, self.draft_compiled, self.plain_compiled, in_loop, self.max_length, self.prompt_len)
 
     def mark_compiled(self, plan: Plan, in_loop: bool = False) -> None:
         """`plan` is running: its graphs are built (or being built) in this process, or its kept draft process."""

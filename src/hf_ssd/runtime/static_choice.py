@@ -52,8 +52,18 @@ def _probe_faster(kv: StaticCachedModel, width: int, reps: int = 5) -> bool:
     return e.probe[width]
 
 
+def sync_sequence_len(max_length: int, prompt_len: int = 0) -> int:
+    """The longest a synchronous draft's row gets, holes included: it leaves a hole each round whose last draft is
+    rejected (its two pending tokens always take two slots), at most one per new token, so the call's length plus
+    its new tokens again. Counting the prompt twice (2 x max_length) made its cache, and the slots every draft step
+    attends over, up to twice as large for long prompts (a 450-token prompt and 64 new tokens: 2048 slots, where
+    596 can ever be used; now 1024)."""
+    return 2 * int(max_length) - min(max(int(prompt_len), 0), int(max_length))
+
+
 def static_draft_cache(model: PreTrainedModel, config, batch: int, max_length: int, K: int, budget: int,
-                       vocab_size: int, sync: bool = False, progress: bool = False) -> StaticCachedModel | None:
+                       vocab_size: int, sync: bool = False, progress: bool = False,
+                       prompt_len: int = 0) -> StaticCachedModel | None:
     """The draft cache `config.compile` asks for: a StaticCachedModel (compiled or not), or None for the dynamic
     `CachedModel` (compile off, offloaded models, absurd lengths, unsupported models). With the process worker the
     child builds it, on its own copy of the model (workers.process).
@@ -62,7 +72,8 @@ def static_draft_cache(model: PreTrainedModel, config, batch: int, max_length: i
     tree is carried over (N + 1, draft.static_saguaro) and the single steps of its just-in-time backup
     after a miss (1: eager, its K serial steps cost so much that the backup policy picks the weaker n-gram);
     synchronous SD's single draft steps (1) and the two pending tokens each round starts with (2). All of them compile
-    here, before the prompt, so no round builds a graph (progress: a bar while they do)."""
+    here, before the prompt, so no round builds a graph (progress: a bar while they do). prompt_len: the call's
+    prompt (padded), which sizes a synchronous draft's room for holes (`sync_sequence_len`)."""
     mode = getattr(config, "compile", False)
     if mode is False:
         return None
@@ -70,9 +81,7 @@ def static_draft_cache(model: PreTrainedModel, config, batch: int, max_length: i
     if device_map is not None and len(set(device_map.values())) > 1:
         return None
     N = 1 if sync else tree_width(config, K, budget, vocab_size)
-    # synchronous SD leaves a hole each round whose last draft is rejected (its two pending tokens always take two
-    # slots), at most one per new token: room for max_length more
-    M = static_cache_len(2 * max_length if sync else max_length, K, 0 if sync else N)
+    M = static_cache_len(sync_sequence_len(max_length, prompt_len) if sync else max_length, K, 0 if sync else N)
     if M > MAX_SLOTS:
         return None
     try:
