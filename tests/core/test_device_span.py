@@ -18,7 +18,8 @@ class FakeEvent:
         assert enable_timing
         self.at, self.synced = None, False
 
-    def record(self):
+    def record(self, stream=None):
+        assert stream == "stream of cuda:1", stream  # the work's device's stream, not the current device's
         self.at = FakeEvent.now
 
     def synchronize(self):
@@ -31,8 +32,9 @@ class FakeEvent:
 
 def test_a_cuda_span_is_the_devices_time_read_after_its_end_event(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"stream of {device}")
     FakeEvent.now = 10.0
-    span = DeviceSpan("cuda")
+    span = DeviceSpan("cuda:1")
     FakeEvent.now = 10.25  # the queued work ran on the device
     span.stop()
     assert span.cuda and span.seconds() == pytest.approx(0.25)

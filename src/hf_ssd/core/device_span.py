@@ -18,18 +18,21 @@ class DeviceSpan:
     end event, so read it where the stream has been synchronized anyway)."""
 
     def __init__(self, device: torch.device | str):
-        self.cuda = torch.device(device).type == "cuda"
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
         self.end: float | None = None
         if self.cuda:
             self.start_event = torch.cuda.Event(enable_timing=True)
             self.end_event = torch.cuda.Event(enable_timing=True)
-            self.start_event.record()
+            # the work's own device's stream: with a target split over GPUs, or a draft on another one, the current
+            # device's stream would time nothing of it
+            self.start_event.record(torch.cuda.current_stream(self.device))
         else:
             self.start = time.perf_counter()
 
     def stop(self) -> DeviceSpan:
         if self.cuda:
-            self.end_event.record()
+            self.end_event.record(torch.cuda.current_stream(self.device))
         else:
             self.end = time.perf_counter()
         return self
