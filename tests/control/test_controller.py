@@ -919,6 +919,22 @@ def test_decode_clock_leaves_the_prefill_out(monkeypatch):
     assert clock.seconds_per_step(13.0, 1) is None
 
 
+def test_decode_clock_prices_a_call_that_compiled_by_its_other_steps(monkeypatch):
+    """A plain call that compiled transformers' loop: its first decode step took 20 s (the compile), the other
+    ten 0.1 s. The step is 0.1 s and the compile 19.9 s (such calls used to price plain not at all)."""
+    from hf_ssd.hf import plain_hand_off
+
+    clock = plain_hand_off.DecodeClock()
+    now = iter([0.0, 20.0] + [20.0 + 0.1 * i for i in range(1, 11)])
+    monkeypatch.setattr(plain_hand_off.time, "perf_counter", lambda: next(now))
+    for _ in range(12):
+        clock(None, torch.zeros(1, 5))
+    assert clock.seconds_per_step(21.05, 12, compiled=True) == pytest.approx(0.1)
+    assert clock.compile_s == pytest.approx(19.9)
+    assert clock.seconds_per_step(21.05, 12) == pytest.approx(21.05 / 11)  # not compiled: the plain mean
+    assert clock.seconds_per_step(21.05, 5, compiled=True) is None  # too few steps to tell a step from a compile
+
+
 def test_a_compiled_plain_step_is_calibrated_by_the_measured_verifies():
     """With a compiled target, a plain step is one target forward: the verifies the draft plans measured say how
     much faster that runs than its eager cost line, better than whole rounds do (they include the draft's work)."""
@@ -1024,6 +1040,8 @@ def test_a_switch_to_uncompiled_shapes_pays_for_their_compiles(monkeypatch):
         # the call's record says what the decision ranked by: the speed over the call, with the compiling in it
         row = next(r for r in drafter_mod.call_record(ctl, decision)["predicted"] if r["plan"] == four.label)
         assert row["compile_s"] == pytest.approx(3.0) and row["call_tok_s"] < row["tok_s"]
+        assert row["parts"]["verify"] == pytest.approx(priced.parts["verify"], abs=1e-5)  # and what it priced from
+        assert row["parts"]["draft"] > 0 and "compile" not in row["parts"]
         # transformers' compiled plain loop: a few of ours until a hand-off measured it
         assert ctl.compile_s(Plan("plain"), horizon, in_loop=False) == pytest.approx(3.0 * PLAIN_LOOP_PRIOR_GRAPHS)
         record_plain_loop_compile(ctl.target, 21.0)

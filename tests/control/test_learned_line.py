@@ -109,6 +109,40 @@ def test_a_family_that_has_not_run_borrows_the_measured_lines_where_cheaper():
         Controller(_noisy_costs(), Memory(), 1, {}, fixed_alpha=0.9).model(Plan("sync", 4)).parts["draft"])
 
 
+def test_a_tree_borrows_the_synchronous_steps_scaled_to_its_width():
+    """Compiled SSD has not run, compiled sync SD has. Where the eager lines say wide forwards cost more (a batch of
+    16 rows x 16 branches is compute, not launches), the tree is priced off the synchronous steps times that width
+    factor, not as if each of its forwards were one row wide, and not capped at the eager price: the synchronous
+    side ran alone, so where its steps and verifies measured slower than the eager lines (a long context), no
+    family's are faster. Another worker's measured trees it borrows as they are."""
+    draft = Curve(((1, 0.004), (2, 0.005), (3, 0.006), (4, 0.007), (6, 0.009), (9, 0.012), (16, 0.032)))
+    target = Curve(((1, 0.010), (2, 0.012), (3, 0.014), (4, 0.016), (6, 0.020), (9, 0.026)))
+    ctl = Controller(Costs(16, target, draft, target, draft, (1, 1)), Memory(), 16, {}, fixed_alpha=0.7,
+                     plain_compiled=True, draft_compiled=True)
+    sync, tree = Plan("sync", 2), Plan("ssd", 2, 16, "thread", threads=(1, 1))
+    _measured(ctl, sync, 0.004, 0.003, 0.002)  # compiled: a step 1 ms, a quarter of the eager one-token step
+    eager = predict_eagerly(ctl, tree)
+    factor = eager["tree"] / (tree_forwards(tree) * draft(1))
+    assert factor > 2  # the premise: a 16-branch step is wide here
+    assert ctl.model(tree).parts["tree"] == pytest.approx(factor * 0.002 * tree_forwards(tree) / 2)
+    assert ctl.model(tree).parts["tree"] < eager["tree"]
+    assert ctl.model(tree).parts["backup"] == pytest.approx(0.002)  # K one-token steps: no width to scale
+    long_context = Controller(ctl.costs, Memory(), 16, {}, fixed_alpha=0.7, plain_compiled=True, draft_compiled=True)
+    _measured(long_context, sync, 0.08, 0.06, 0.02)  # a 1024-slot static cache: steps and verify above the lines
+    priced = long_context.model(tree).parts
+    assert priced["tree"] == pytest.approx(factor * 0.02 * tree_forwards(tree) / 2) and priced["tree"] > eager["tree"]
+    assert priced["verify"] == pytest.approx(0.06) and priced["verify"] > eager["verify"]
+    on_a_process = Plan("ssd", 2, 16, "process", threads=(1, 1))
+    _measured(ctl, on_a_process, 0.006, 0.003, 0.005)
+    assert ctl.model(tree).parts["tree"] == pytest.approx(0.005)  # a tree is a tree, whichever worker built it
+
+
+def predict_eagerly(ctl: Controller, plan: Plan) -> dict:
+    from hf_ssd.control.plan import predict
+
+    return predict(plan, ctl.costs, ctl.acceptance(plan.int8), ctl.batch).parts
+
+
 def test_sizes_closer_than_a_forward_fit_no_slope():
     """Two budgets of one K are 0.4 forwards apart: their difference is noise, not a slope."""
     line = LearnedLine(proportional=True)

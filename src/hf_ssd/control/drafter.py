@@ -269,13 +269,16 @@ def call_record(controller: Controller, decision: Decision, note: str = "") -> d
 
 
 def _row(pred) -> dict:
-    """One plan's prediction; where the call priced a start-up (draft prefill, compiling), also the speed over the
-    call that the decision ranked by, and the compiling in it (a plan fast per round but with graphs to build
-    ranks below slower built ones)."""
+    """One plan's prediction and the parts of its round; where the call priced a start-up (draft prefill,
+    compiling), also the speed over the call that the decision ranked by, and the compiling in it (a plan fast per
+    round but with graphs to build ranks below slower built ones)."""
     row = {"plan": pred.plan.label, "tok_s": round(pred.tokens_per_s, 3), "round_s": round(pred.round_s, 5),
            "p_hit": None if pred.p_hit is None else round(pred.p_hit, 3)}
     if pred.startup_s > 0 and pred.horizon > 0:
         row["call_tok_s"] = round(pred.call_tokens_per_s, 3)
     if pred.parts.get("compile", 0.0) > 0:
         row["compile_s"] = round(pred.parts["compile"], 3)
+    # what the round was priced from (seconds: verify, tree or draft, backup, a measured round): a misprice shows
+    # which part was off
+    row["parts"] = {name: round(seconds, 5) for name, seconds in pred.parts.items() if name != "compile"}
     return row

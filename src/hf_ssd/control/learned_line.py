@@ -87,9 +87,13 @@ def measured_parts(plan: Plan, lines: dict, eager_parts: Callable[[], dict], dra
     """Seconds of `plan`'s round parts from the lines its compiled rounds measured (Memory.lines): its draft work
     (an SSD tree, a synchronous draft) and an SSD miss's JIT backup where the draft runs compiled, its verify where
     the target does. A family that has not run borrows: the draft lines of the other families (a forward is a
-    forward), the verifies' measured ratio to the eager line (`verify_ratio`), each only where cheaper than the
-    eager price (`eager_parts()`, the eager model's parts; a family never looks worse than the model says before it
-    has run). Nothing before a round measured."""
+    forward, at its width: `_lenders`), the verifies' measured ratio to the eager line (`verify_ratio`), each only
+    where cheaper than the eager price (`eager_parts()`, the eager model's parts; a family never looks worse than
+    the model says before it has run), except for what the synchronous family measured, which ran alone: no
+    other family's verify or draft step is faster, whatever the eager lines say. Those lines are timed at a short
+    context; at batch 16 with 450-token prompts a compiled sync verify took 65 ms against an eager line of 15 ms
+    (attention over the static cache's 1024 slots). Capped at the eager price, an SSD plan on a thread that had not
+    run was predicted at 810 tok/s (32 ms a round) and ran at 168 (90-140 ms). Nothing before a round measured."""
     eager: dict = {}  # computed only where a family borrows (a decision prices ~230 plans)
 
     def eager_s(name: str) -> float:
@@ -100,19 +104,48 @@ def measured_parts(plan: Plan, lines: dict, eager_parts: Callable[[], dict], dra
     parts = {}
     if draft_compiled:
         own = lines.get(("draft", family(plan), plan.int8))
-        others = [line for key, line in lines.items() if key[0] == "draft" and key[2] == plan.int8 and line]
+        others = {key[1]: line for key, line in lines.items() if key[0] == "draft" and key[2] == plan.int8 and line}
+        lenders, alone = _lenders(plan, others)
         sizes = {"draft": tree_forwards(plan)}
         if plan.mode == "ssd":
             sizes["backup"] = float(plan.K)  # K single-token steps
         for name, size in sizes.items():
             if own:
                 parts[name] = own(size)
-            elif others:
-                parts[name] = min(eager_s(name), min(line(size) for line in others))
+            elif lenders:
+                wider = _width_factor(plan, eager_s) if alone and name == "draft" else 1.0
+                borrowed = wider * min(line(size) for line in lenders)
+                parts[name] = borrowed if alone else min(eager_s(name), borrowed)
     if target_compiled:
         own = lines.get(("verify", family(plan)))
         if own:
             parts["verify"] = own(plan.K + 1)
         elif verify_ratio is not None:
             parts["verify"] = eager_s("verify") * min(1.0, verify_ratio)
+            alone = lines.get(("verify", "sync"))  # the target with every thread to itself: no verify is faster
+            if alone:
+                parts["verify"] = max(parts["verify"], alone(plan.K + 1))
     return parts
+
+
+def _lenders(plan: Plan, others: dict[str, LearnedLine]) -> tuple[list[LearnedLine], bool]:
+    """The measured draft lines (by family) a plan of a family that has not run borrows, and whether they are the
+    synchronous draft's, which ran alone. An SSD tree borrows another worker's trees as they are (the same
+    forwards), capped at the eager price: their time may hold their own contention. Else it borrows the
+    synchronous steps, scaled to its width (`_width_factor`) and not capped: a step with the cores to itself is a
+    floor for any family's, even above the eager lines, which miss what every compiled forward pays at a long
+    context (attention over a static cache's slots; see measured_parts)."""
+    trees = [line for fam, line in others.items() if fam.startswith("ssd")]
+    if plan.mode == "ssd" and trees:
+        return trees, False
+    if plan.mode == "ssd" and "sync" in others:
+        return [others["sync"]], True
+    return list(others.values()), False
+
+
+def _width_factor(plan: Plan, eager_s: Callable[[str], float]) -> float:
+    """How much more an SSD tree's forward costs than a one-token step, in the eager lines (never below 1): its
+    steps are budget x batch rows wide where a synchronous step is batch rows, which is launch-bound only where the
+    eager lines say so."""
+    step = eager_s("backup") / plan.K  # the backup is K one-token steps
+    return max(1.0, eager_s("draft") / (tree_forwards(plan) * step))

@@ -194,14 +194,15 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
             end = time.perf_counter()
             stats.wall_time = end - start
             sequences = result if isinstance(result, torch.Tensor) else result.sequences
-            step_s = clock.seconds_per_step(end, sequences.shape[1] - input_ids.shape[1])
-            # a run that compiled, or shared the CPU with a draft process's start-up, would price plain by that
-            if step_s is not None and compiled_graphs() == graphs and not (busy or pool.starting()):
+            compiled = compiled_graphs() != graphs  # transformers compiled its loop: its steps that did are left out
+            step_s = clock.seconds_per_step(end, sequences.shape[1] - input_ids.shape[1], compiled)
+            # a run that shared the CPU with a draft process's start-up would price plain by that
+            if step_s is not None and not (busy or pool.starting()):
                 answer = sequences[:, input_ids.shape[1]:]
                 made = float(answer_mask(answer, _eos_ids(generation_config)).float().mean())
                 record_plain(stats.controller_memory, step_s, answer.shape[1] - 1, rows_share=made)
-            elif compiled_graphs() != graphs and clock.first is not None:  # transformers compiled its loop: what
-                record_plain_loop_compile(model, end - clock.first)  # that took (its decode steps are a rounding)
+            if compiled and clock.first is not None:  # what compiling took: the slow steps, else the whole loop
+                record_plain_loop_compile(model, clock.compile_s if step_s is not None else end - clock.first)
             if probe is not None:
                 stats.controller["plain_alpha"] = _measure_plain_alpha(probe, sequences, input_ids, mask,
                                                                        generation_config)
