@@ -40,6 +40,7 @@ from transformers.cache_utils import StaticLayer
 
 from hf_ssd.runtime import static_registry
 from hf_ssd.runtime.kv import attention_layout, cache_argument, input_device, position_limit, prefill_logits_argument
+from hf_ssd.runtime.packed_attention import slot_view
 from hf_ssd.runtime.slot_step import SlotAttend, dense, slot_step
 from hf_ssd.runtime.static_registry import Entry, acquire, release
 
@@ -76,6 +77,7 @@ class StaticCachedModel:
         """guard_modules=False: compiled graphs skip dynamo's guards on the model's modules (the draft's; see
         static_registry.compile_kwargs)."""
         self.model = model
+        self.slot_model = slot_view(model)  # the same weights, attention without a K/V copy per head (packed_attention)
         self.guard_modules = guard_modules
         self.device = input_device(model)
         self.dtype = model.get_input_embeddings().weight.dtype
@@ -173,7 +175,8 @@ class StaticCachedModel:
             lim, branch = self._full(attend.lim, -1), self._full(attend.branch, -1)
             tree0 = self._full(attend.tree0, self.max_cache_len)
         inputs = [dense(x) for x in (tokens, positions, new_valid, lim, branch, tree0)]
-        args = (self.model, e.cache, self.cache_kw, e.w, e.valid, e.pos, e.alive, e.slot_ids, *inputs,
+        model = self.model if prefill else self.slot_model  # a prefill keeps transformers' own SDPA (and causal path)
+        args = (model, e.cache, self.cache_kw, e.w, e.valid, e.pos, e.alive, e.slot_ids, *inputs,
                 self.window, self.layer_types is not None, self.dtype, self.max_position)
         logits = self._prefill(e, n, args) if prefill else self._run(e, n, args)
         self._bound += n
