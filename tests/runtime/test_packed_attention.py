@@ -62,6 +62,9 @@ def test_models_it_leaves_alone():
     hooked = build_target("qwen2")
     hooked.model.layers[0].forward = hooked.model.layers[0].forward
     assert slot_view(hooked) is hooked
+    compiled = build_target("qwen2")
+    compiled.model.layers[1].compile()  # torch.compile in place: its compiled call is bound to the original layer
+    assert slot_view(compiled) is compiled
     gpt2 = build_target("gpt2")  # no grouped heads: the view falls back to SDPA inside, and still matches
     ids = prompt(6)
     with torch.no_grad():

@@ -61,14 +61,16 @@ def _uses_sdpa(model) -> bool:
 
 def slot_view(model):
     """The model as the static caches run it: `model` itself where its attention is not transformers' SDPA (eager,
-    flash or a custom kernel: left as the caller chose), where accelerate's hooks wrap its modules (a split or
-    offloaded model: the hooks are bound to the original modules), or where this transformers has no attention
-    interface; else a twin whose attention is `packed_sdpa` (built once per model, kept while the model lives)."""
+    flash or a custom kernel: left as the caller chose), where accelerate's hooks or `module.compile()` wrap its
+    modules (a split or offloaded model, a compiled layer: bound to the original modules), or where this
+    transformers has no attention interface; else a twin whose attention is `packed_sdpa` (built once per model,
+    kept while the model lives)."""
     if model in _VIEWS:
         return _VIEWS[model] or model
     view = None
-    # accelerate's hooks, or a forward set on an instance (a compiled call), are bound to the original modules
-    hooked = any(hasattr(m, "_hf_hook") or "forward" in m.__dict__ for m in model.modules())
+    # accelerate's hooks, a forward set on an instance, or `module.compile()`'s call are bound to the original modules
+    hooked = any(hasattr(m, "_hf_hook") or "forward" in m.__dict__ or getattr(m, "_compiled_call_impl", None)
+                 is not None for m in model.modules())
     if _uses_sdpa(model) and not hooked and _register():
         view = _twin(model, {})
     _VIEWS[model] = view
