@@ -22,8 +22,10 @@ from hf_ssd.control.decision import Decision, Horizon, family, retunable, simple
 from hf_ssd.control.exploration import (alpha_exploration, family_exploration, second_look, still_exploring,
                                         untried_score)
 from hf_ssd.control.learned_line import LearnedLine, measured_parts, tree_forwards
-from hf_ssd.control.memory import Memory, Tally
-from hf_ssd.control.plan import MAX_K, Acceptance, Plan, Prediction, candidates, predict, verify_s
+from hf_ssd.control.memory import Memory, Tally, Yield
+from hf_ssd.control.plan import (MAX_K, Acceptance, Plan, Prediction, Served, candidates, modelled_hit_rate, predict,
+                                 verify_s)
+from hf_ssd.core.speed_model import expected_tokens_per_round
 from hf_ssd.control.shortlist import candidates_key, make_shortlist
 from hf_ssd.runtime import static_registry
 
@@ -127,8 +129,23 @@ class Controller:
     def model(self, plan: Plan) -> Prediction:
         """The cost model's prediction, before any calibration (a fresh copy: callers adjust it)."""
         pred = self._shared(("model", plan), lambda: predict(plan, self.costs, self.acceptance(plan.int8),
-                                                             self.batch, self.compiled_parts(plan)))
+                                                             self.batch, self.compiled_parts(plan),
+                                                             self.served(plan)))
         return replace(pred, parts=dict(pred.parts))
+
+    def served(self, plan: Plan) -> Served | None:
+        """What the SSD rounds measured of the cache (plan.Served): `plan`'s own misses where it ran, else those
+        of every SSD plan that ran; the yields of rows served from the cache and by a backup, where both were
+        seen, else the mode's pooled yield for both."""
+        if plan.mode != "ssd":
+            return None
+        m = self.memory
+        misses = m.misses.get(plan) or m.all_misses
+        if m.hit_yield and m.miss_yield:
+            hit, miss = m.hit_yield.ratio, m.miss_yield.ratio
+        else:
+            hit = miss = m.ssd_yield.ratio
+        return Served(miss_ratio=misses.ratio, hit_yield=hit, miss_yield=miss)
 
     def compiled_parts(self, plan: Plan) -> dict:
         """Seconds of `plan`'s round parts priced off the compiled rounds measured so far, instead of the eager cost
@@ -204,27 +221,43 @@ class Controller:
             return 1.0
         return min(1.0, statistics.median(ratios.values()))
 
-    def yield_calibration(self, mode: str) -> float:
-        """Committed / modelled tokens per round of SSD's rounds (Yield), 1 before any ran (whatever the worker: it
-        changes when the tokens come, not how many). The model's tokens per round assume every round drafts as well
-        as the primary draft; an SSD round that missed and took the n-gram backup commits fewer, which only the
-        measured rounds show. A synchronous round is the acceptance model itself (K drafts of the one draft model,
-        which α measures), so it keeps the model's figure: its measured ratio only said how far the call's α lagged
-        the text (0.87 after a few hard chat answers), and priced sync below plain on every call that followed."""
-        return self.memory.ssd_yield.ratio if mode == "ssd" else 1.0
-
     def tail_share(self, plan: Plan) -> float:
         """The share of a plan's time that does its full batch's work (Memory.tail): its family's, 1 for a family
         that has not run (like calibration, it never looks worse than the model before it has run)."""
         tail = self.memory.tail.get(family(plan))
         return 1.0 if tail is None else tail.share
 
-    def record_tokens(self, plan: Plan, tokens: float) -> None:
+    def record_tokens(self, plan: Plan, tokens: float, served: tuple[tuple[int, float], tuple[int, float]] | None = None
+                      ) -> None:
         """`plan`'s round committed `tokens` per row of the call's batch; called before the round's acceptance is
-        observed, so the model prices it at the α in force when it was drafted."""
-        if plan.mode == "ssd":
-            modelled = self.model(plan).tokens_per_round / self.batch
-            self.memory.ssd_yield.add(tokens, modelled)
+        observed, so the model prices it at the α in force when it was drafted. served: ((rows the cache served,
+        their tokens), (rows a backup served, their tokens)), where the round knows.
+
+        An SSD round's tokens are judged against the acceptance model at that α (the primary draft's tokens per
+        round, Memory.ssd_yield): what is left is the mode's own shortfall. A synchronous round is the acceptance
+        model itself (K drafts of the one draft model, which α measures), so it keeps the model's figure: its
+        measured ratio only said how far the call's α lagged the text (0.87 after a few hard chat answers), and
+        priced sync below plain on every call that followed."""
+        if plan.mode != "ssd":
+            return
+        e = expected_tokens_per_round(min(max(self.acceptance(plan.int8).alpha, 0.0), 1.0), plan.K)
+        self.memory.ssd_yield.add(tokens, e)
+        if served is not None:
+            (hit_rows, hit_tokens), (miss_rows, miss_tokens) = served
+            if hit_rows:
+                self.memory.hit_yield.add(hit_tokens, hit_rows * e)
+            if miss_rows:
+                self.memory.miss_yield.add(miss_tokens, miss_rows * e)
+
+    def record_lookups(self, plan: Plan, hits: float, lookups: float) -> None:
+        """`plan`'s cache answered `hits` of a round's `lookups` (rows): its misses against the model's."""
+        if plan.mode != "ssd" or lookups <= 0:
+            return
+        self.memory.hits += hits
+        self.memory.lookups += lookups
+        modelled = lookups * (1.0 - modelled_hit_rate(plan, self.acceptance(plan.int8)))
+        for tally in (self.memory.misses.setdefault(plan, Yield()), self.memory.all_misses):
+            tally.add(lookups - hits, modelled)
 
     def record_verify(self, plan: Plan, seconds: float) -> None:
         """One round's verify of `plan` took `seconds`: its ratio to the target's cost line (calibration("plain"))."""
@@ -315,11 +348,7 @@ class Controller:
             pred.parts = {**pred.parts, "measured_round": value}
         else:
             pred.round_s = self.calibrated(plan, pred.round_s)
-        if plan.mode != "plain":  # at this call's α, measured or not: the text's difficulty is not the plan's
-            pred.tokens_per_round *= self.yield_calibration(plan.mode)
         pred.tokens_per_round *= self.tail_share(plan)
-        if plan.mode == "ssd" and measured is not None and self.memory.lookups >= 20:
-            pred.p_hit = self.memory.hits / self.memory.lookups  # for the record: the measured round includes misses
         return pred
 
     def _aged(self, plan: Plan, measured: float, modelled: float) -> float:

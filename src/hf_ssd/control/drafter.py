@@ -16,7 +16,7 @@ from hf_ssd.control.decision import Decision, Horizon, family, retunable
 from hf_ssd.control.memory import Memory, TailShare
 from hf_ssd.control.plan import Plan
 from hf_ssd.core.ranks import distributed, from_rank0
-from hf_ssd.core.types import SOURCE_NGRAM, DraftResult, Speculation, Verdict
+from hf_ssd.core.types import SOURCE_CACHE, SOURCE_NGRAM, DraftResult, Speculation, Verdict
 from hf_ssd.draft.protocol import Drafter
 from hf_ssd.runtime import static_registry
 from hf_ssd.runtime.stats import SSDStats
@@ -141,8 +141,7 @@ class ControlledDrafter(Drafter):
             step_s = self.stats.draft_step_s if self.plan.mode == "ssd" else None
             self.controller.record_draft(self.plan, result.draft_s, step_s)
         if result.hits is not None:
-            self.memory.hits += float(result.hits.sum())
-            self.memory.lookups += result.hits.numel()
+            self.controller.record_lookups(self.plan, float(result.hits.sum()), result.hits.numel())
         return result
 
     def close(self) -> None:
@@ -175,8 +174,8 @@ class ControlledDrafter(Drafter):
         # are depends on the hardware (Memory.tail). A plan's round time and yield come from its full rounds.
         full = k.numel() == self.controller.batch
         tokens = float((k + 1).sum()) / self.controller.batch  # per row (the backup's weaker proposals included)
-        if full:
-            self.controller.record_tokens(self.plan, tokens)  # before observing: priced at the α it was drafted at
+        if full:  # before observing: priced at the α it was drafted at
+            self.controller.record_tokens(self.plan, tokens, served_rows(self.spec.source, k))
         # α is the draft model's: rows the n-gram backup served after a cache miss accept far less (their shortfall
         # is the SSD mode's yield), and counted in α they made every drafting plan look worse than plain
         primary = drafted if self.spec.source is None else drafted & (self.spec.source.cpu() != SOURCE_NGRAM)
@@ -282,3 +281,13 @@ def _row(pred) -> dict:
     # which part was off
     row["parts"] = {name: round(seconds, 5) for name, seconds in pred.parts.items() if name != "compile"}
     return row
+
+
+def served_rows(source: torch.Tensor | None, accepted: torch.Tensor) -> tuple[tuple[int, float], tuple[int, float]] | None:
+    """((rows the speculation cache served, their tokens), (rows a backup served, their tokens)) of a round whose
+    rows accepted `accepted` drafts; None where the speculation does not say where its rows came from."""
+    if source is None:
+        return None
+    cached = source.cpu() == SOURCE_CACHE
+    tokens = (accepted + 1).float()
+    return (int(cached.sum()), float(tokens[cached].sum())), (int((~cached).sum()), float(tokens[~cached].sum()))

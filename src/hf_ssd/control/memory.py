@@ -90,6 +90,8 @@ class Yield:
         self.committed = self.modelled = 0.0
 
     def add(self, committed: float, modelled: float) -> None:
+        if modelled <= 0.0 and self.modelled == 0.0:
+            return  # nothing to set the prior's scale by
         if self.modelled == 0.0:
             self.committed = self.modelled = YIELD_PRIOR_ROUNDS * modelled
         self.committed = YIELD_DECAY * self.committed + committed
@@ -98,6 +100,9 @@ class Yield:
     @property
     def ratio(self) -> float:
         return self.committed / self.modelled if self.modelled > 0 else 1.0
+
+    def __bool__(self) -> bool:
+        return self.modelled > 0
 
 
 TAIL_DECAY = 0.98  # per round: the tail share follows the last ~50 rounds of a plan family
@@ -213,6 +218,12 @@ class Memory:
     guessability: Guessability = field(default_factory=Guessability)
     round_s: dict[Plan, Ema] = field(default_factory=dict)  # measured seconds per round, per plan that ran
     ssd_yield: Yield = field(default_factory=Yield)  # SSD's committed / modelled tokens per round
+    # ... of the rows the cache served and of those a backup served after a miss (plan.Served)
+    hit_yield: Yield = field(default_factory=Yield)
+    miss_yield: Yield = field(default_factory=Yield)
+    # measured / modelled cache misses, per SSD plan that ran and over all of them
+    misses: dict[Plan, Yield] = field(default_factory=dict)
+    all_misses: Yield = field(default_factory=Yield)
     tail: dict[str, TailShare] = field(default_factory=dict)  # per plan family (controller.family)
     clock: int = 0  # rounds recorded so far, every plan together: how old a measurement is
     # measured / modelled seconds of a drafter's start (its prefill and first drafts), per plan family: what a draft

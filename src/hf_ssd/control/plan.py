@@ -67,6 +67,28 @@ class Acceptance:
     top1_miss: float = 0.5
 
 
+@dataclass(frozen=True)
+class Served:
+    """What SSD's rounds measured of the speculation cache, beyond the acceptance model: how often it missed, and
+    what the rows it served and the rows a backup served after a miss committed, each over the model's figure.
+
+    The model prices every row at the primary draft's tokens per round and the hit rate at the fitted guessability.
+    On the overhead workload at α ≈ 0.7 (K = 2, batch 1) budget 3 hit 58% of rounds and committed 1.7-1.9 tokens a
+    round, budgets 12-16 hit 93% and committed 2.0-2.4: a row a backup served committed far less. Pooled over the
+    SSD plans as one yield, that shortfall was spread over every budget alike, and `ssd=True` ran budget 3."""
+
+    miss_ratio: float = 1.0  # measured misses / modelled misses
+    hit_yield: float = 1.0  # committed / modelled tokens of the rows served from the cache
+    miss_yield: float = 1.0  # ... of the rows a backup served
+
+
+def modelled_hit_rate(plan: Plan, acc: Acceptance) -> float:
+    """The acceptance model's probability that an SSD round's outcome is in `plan`'s speculation cache."""
+    # α to 3 decimals: the fan-out is cached per α (core.fanout), and the measured α moves every round
+    fanout = geometric_fanout(plan.budget, round(acc.alpha, 3), acc.r, plan.K, top1_miss=acc.top1_miss)
+    return expected_hit_rate(fanout, acc.alpha, acc.r, top1_miss=acc.top1_miss)
+
+
 @dataclass
 class Prediction:
     plan: Plan
@@ -98,11 +120,12 @@ def verify_s(plan: Plan, costs: Costs) -> float:
     return costs.target(split)(plan.K + 1)
 
 
-def predict(plan: Plan, costs: Costs, acc: Acceptance, batch: int, measured: dict | None = None) -> Prediction:
+def predict(plan: Plan, costs: Costs, acc: Acceptance, batch: int, measured: dict | None = None,
+            served: Served | None = None) -> Prediction:
     """Predicted tokens per round and seconds per round of `plan`. The engine's own work per round is not modelled:
     the controller calibrates it away with measured round times. measured: seconds of the round's parts that the
     controller priced from compiled rounds instead of the eager cost lines ("verify"; "draft": a synchronous
-    draft or an SSD tree; "backup"), each optional."""
+    draft or an SSD tree; "backup"), each optional. served: an SSD cache's measured misses and yields."""
     if plan.mode == "plain":
         t = costs.target(False)(1)
         return Prediction(plan, float(batch), t, parts={"target_step": t})
@@ -119,16 +142,15 @@ def predict(plan: Plan, costs: Costs, acc: Acceptance, batch: int, measured: dic
     draft = costs.draft(split, plan.int8)
     tree = measured.get("draft") or draft(K + 1) + K * draft(plan.budget)
     backup = measured.get("backup") or draft(1) + (K - 1) * draft(1)
-    # α to 3 decimals: the fan-out is cached per α (core.fanout), and the measured α moves every round
-    fanout = geometric_fanout(plan.budget, round(acc.alpha, 3), acc.r, K, top1_miss=acc.top1_miss)
-    p_hit = expected_hit_rate(fanout, acc.alpha, acc.r, top1_miss=acc.top1_miss)
+    served = served or Served()
+    p_hit = 1.0 - min(1.0, (1.0 - modelled_hit_rate(plan, acc)) * served.miss_ratio)
     e_miss = e if acc.alpha_backup is None else expected_tokens_per_round(acc.alpha_backup, K)
     all_hit = p_hit**batch
     # beside the verify, the tree hides as far as the two really overlap (a thread shares the GIL; measured)
     overlap = costs.overlap if plan.worker == "thread" else 1.0
     base = max(verify, tree) + (1.0 - overlap) * min(verify, tree) if concurrent else verify + tree
     round_s = base + (1.0 - all_hit) * backup + (PROCESS_HANDOVER_S if plan.worker == "process" else 0.0)
-    tokens = batch * (p_hit * e + (1.0 - p_hit) * e_miss)
+    tokens = batch * (p_hit * e * served.hit_yield + (1.0 - p_hit) * e_miss * served.miss_yield)
     return Prediction(plan, tokens, round_s, p_hit, parts={"verify": verify, "tree": tree, "backup": backup})
 
 
