@@ -430,6 +430,51 @@ def test_a_plan_one_cold_call_measured_gets_a_second_look(cold):
     assert ctl.decide().plan == plain  # looked at twice, slower both times: not again
 
 
+def test_a_call_that_compiled_a_plans_graphs_does_not_price_it():
+    """The plan's looked-at call compiled its graphs again (a new cache size): that call's rounds ran beside the
+    compiler, so its mean is dropped and the plan may have another look; the warm call after it prices it."""
+    from hf_ssd.control.exploration import SECOND_LOOK_ROUNDS
+
+    ctl = controller(costs(draft=(0.05, 0.001)), alpha=0.5, allowed={"mode": ("plain", "sync"), "K": (2,)})
+    plain, sync = Plan("plain"), Plan("sync", 2)
+    for _ in range(3):
+        ctl.memory.record_round(plain, ctl.model(plain).round_s, count=8)
+        ctl.memory.end_call()
+    fast = ctl.predict(sync).tokens_per_round / (1.2 * ctl.predict(plain).tokens_per_s)
+    cold = fast / 0.75
+    for _ in range(2):  # its first call, and its second look: both compiled
+        ctl.memory.record_round(sync, cold, count=8)
+        ctl.memory.cold.add(sync)
+        ctl.memory.end_call()
+        assert ctl.memory.round_s[sync].calls == [] and not ctl.memory.cold
+        decision = ctl.decide()
+        assert decision.plan == sync and decision.reason.startswith("a second look at sync K=2")
+    ctl.memory.record_round(sync, fast, count=SECOND_LOOK_ROUNDS)  # warm at last
+    ctl.memory.end_call()
+    assert ctl.memory.round_s[sync].calls == [pytest.approx(fast, rel=0.05)]
+    assert ctl.decide().plan == sync and "second look" not in ctl.decide().reason
+    # a warm call of a plan looked at already: no further look
+    ctl.memory.record_round(plain, ctl.model(plain).round_s, count=8)
+    assert sync in ctl.memory.second_looks
+
+
+def test_the_drafter_marks_the_running_plan_cold_when_graphs_compile(monkeypatch):
+    """A compile seen in a round (this process's graphs, or the draft process's compile seconds) marks the running
+    plan cold for the call (Memory.cold)."""
+    from types import SimpleNamespace
+
+    from hf_ssd.control.drafter import ControlledDrafter
+
+    memory = Memory()
+    compiles = [(0, 0.0)]
+    plan = Plan("ssd", 2, 8, "process")
+    fake = SimpleNamespace(memory=memory, plan=plan, compiled_last_round=False, compiles_seen=(0, 0.0),
+                           _compiles=lambda: compiles[-1])
+    assert not ControlledDrafter._compiled_lately(fake) and not memory.cold
+    compiles.append((0, 3.5))  # the draft process reported a compile with its answer
+    assert ControlledDrafter._compiled_lately(fake) and memory.cold == {plan}
+
+
 def test_an_untried_choice_runs_before_a_second_look():
     """The choice (sync K = 3) has not run: it is measured by running it, not after a second look at the K = 2
     that one cold call measured at 0.85x its prediction (which spent one of the few calls that compile freely)."""

@@ -161,6 +161,8 @@ class ControlledDrafter(Drafter):
         16 ms on the overhead workload at α ≈ 0.7, and it was not run again for the rest of the bench."""
         seen = self._compiles()
         now, self.compiles_seen = seen != self.compiles_seen, seen
+        if now:
+            self.memory.cold.add(self.plan)
         lately, self.compiled_last_round = now or self.compiled_last_round, now
         return lately
 

@@ -103,9 +103,10 @@ def _explore(ctl: Controller, pred: Prediction, best: Prediction, preds: list[Pr
 
 
 def second_look(ctl: Controller, preds: list[Prediction], best: Prediction) -> Decision | None:
-    """The fastest plan other than `best` that only one call has measured, where it is predicted within
-    SECOND_LOOK_WITHIN of `best` and needs nothing compiled; once per plan. Its first call's mean is dropped, so
-    the second call's rounds price it (a call-start price is the median of the last calls' means).
+    """The fastest plan other than `best` that at most one call has measured (calls that compiled its graphs do not
+    count: Memory.cold), where it is predicted within SECOND_LOOK_WITHIN of `best` and needs nothing compiled; once
+    per plan, and once more after a call that compiled its graphs. Its first call's mean is dropped, so the second
+    call's rounds price it (a call-start price is the median of the last calls' means).
 
     Only where `best` has been measured itself: an untried best is measured by running it, and a second look
     before it spends a call on the plan it is predicted to beat (with compile, calls that compile nothing
@@ -118,7 +119,7 @@ def second_look(ctl: Controller, preds: list[Prediction], best: Prediction) -> D
         ema = ctl.memory.round_s.get(pred.plan)
         if pred is best or pred.plan in ctl.memory.second_looks or ema is None or not ctl.measured(pred.plan):
             continue
-        if len(ema.calls) != 1 or ema.call_n or pred.parts.get("compile", 0.0) > 0:
+        if len(ema.calls) > 1 or ema.call_n or pred.parts.get("compile", 0.0) > 0:
             continue
         ctl.memory.second_looks.add(pred.plan)
         ema.forget_calls()

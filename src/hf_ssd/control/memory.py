@@ -47,8 +47,9 @@ class Ema:
         """Drop the ended calls' means (a cold first call's): the next calls' rounds set the call-start price."""
         self.calls = []
 
-    def end_call(self) -> None:
-        if self.call_n:
+    def end_call(self, cold: bool = False) -> None:
+        """The call's rounds become one call mean, unless the call was `cold` (it compiled this plan's graphs)."""
+        if self.call_n and not cold:
             self.calls = [*self.calls, self.call_sum / self.call_n][-CALL_WINDOW:]
         self.call_sum, self.call_n = 0.0, 0
 
@@ -245,6 +246,11 @@ class Memory:
     explored: set = field(default_factory=set)
     exploring: Plan | None = None
     second_looks: set = field(default_factory=set)  # plans a call ran again after one cold call priced them
+    # plans that compiled graphs in the running call (here or in their draft process). Their rounds between compiles
+    # still ran beside the compiler and the first runs of new graphs: in a fresh process, `ssd=True` priced SSD
+    # with the process worker at 14.4 ms a round from a call that compiled for 35 s (its warm rounds took 9 ms),
+    # and ran synchronous SD, 0.8x as fast, from then on
+    cold: set = field(default_factory=set)
     shortlist: Shortlist | None = None  # the plans decisions predict between full evaluations (control.shortlist)
     decide_s: float = 0.0  # what the last decision took (ControlledDrafter spaces its decisions by it)
 
@@ -272,10 +278,14 @@ class Memory:
         return max(measured) if measured else 1.0
 
     def end_call(self) -> None:
-        """A generate() call ended: each plan's rounds in it become one call mean (Ema.settled)."""
+        """A generate() call ended: each plan's rounds in it become one call mean (Ema.settled), except those of
+        the plans that compiled graphs in it (`cold`): their call does not price them, and they may have a second
+        look (control.exploration.second_look)."""
         self.calls += 1
-        for ema in self.round_s.values():
-            ema.end_call()
+        for plan, ema in self.round_s.items():
+            ema.end_call(cold=plan in self.cold)
+        self.second_looks -= self.cold
+        self.cold = set()
 
     def add_acceptance(self, accepted: float, rejected: float, rounds: int = 1, int8: bool = False) -> None:
         """Accepted drafts and rejections observed over `rounds` drafting rounds (or their equivalent), of the draft
