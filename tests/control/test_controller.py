@@ -1229,9 +1229,9 @@ def test_a_budget_is_priced_by_its_own_misses_and_what_its_missed_rows_committed
     rng = random.Random(0)
     for _ in range(400):
         hit = rng.random() < measured_hit
-        source = torch.tensor([0 if hit else 1])  # SOURCE_CACHE / SOURCE_JIT
-        accepted = torch.tensor([round(e - 1) if hit else 0])
-        ctl.record_tokens(narrow, float(accepted.sum() + 1), served_rows(source, accepted))
+        source = [0 if hit else 1]  # SOURCE_CACHE / SOURCE_JIT
+        accepted = [round(e - 1) if hit else 0]
+        ctl.record_tokens(narrow, float(accepted[0] + 1), served_rows(source, accepted))
         ctl.record_lookups(narrow, float(hit), 1)
     narrow_pred, wide_pred = ctl.predict(narrow), ctl.predict(wide)
     assert narrow_pred.p_hit == pytest.approx(measured_hit, abs=0.06)
@@ -1242,5 +1242,26 @@ def test_a_budget_is_priced_by_its_own_misses_and_what_its_missed_rows_committed
     per_round = lambda pred: pred.tokens_per_round  # noqa: E731
     assert per_round(wide_pred) > 1.1 * per_round(narrow_pred)
     # a row served from the cache or by a backup is told apart; a synchronous speculation does not say
-    assert served_rows(torch.tensor([0, 2, 0]), torch.tensor([3, 0, 1])) == ((2, 6.0), (1, 1.0))
-    assert served_rows(None, torch.tensor([3])) is None
+    assert served_rows([0, 2, 0], [3, 0, 1]) == ((2, 6.0), (1, 1.0))
+    assert served_rows(None, [3]) is None
+
+
+def test_the_guessability_is_refitted_every_few_rounds_not_every_round(monkeypatch):
+    """A fit per round cost a twentieth of a compiled SSD round: the fit is redone once REFIT_ROUNDS rounds came in
+    since the last one (or at the first read after the first round)."""
+    from hf_ssd.control.memory import REFIT_ROUNDS, Guessability
+
+    g = Guessability()
+    assert g.fit is None
+    fits = []
+    fit = g.estimator.fit
+    monkeypatch.setattr(g.estimator, "fit", lambda: fits.append(1) or fit())
+    counts = lambda *head: [*head] + [0.0] * (g.estimator.fmax + 1 - len(head))  # noqa: E731
+    g.add(counts(3.0, 1.0, 1.0))
+    first = g.fit
+    assert first is not None and len(fits) == 1
+    for _ in range(REFIT_ROUNDS - 1):
+        g.add(counts(0.0, 4.0, 1.0, 1.0))
+        assert g.fit == first
+    g.add(counts(0.0, 4.0, 1.0, 1.0))
+    assert g.fit != first and len(fits) == 2

@@ -169,19 +169,20 @@ class ControlledDrafter(Drafter):
     def _observe(self, verdict: Verdict, now: float) -> None:
         """Acceptance from this round's outcome; the plan's round time from one resolve's start to the next's, and
         its tokens per round, from rounds in which every row of the call was still decoding."""
-        k = verdict.outcome.accepted.cpu()
-        n = self.spec.n.cpu()
-        drafted = n > 0
+        # as Python lists: a round's few rows cost less so than a dozen tiny tensor ops (0.3 ms a round at batch 1)
+        k = verdict.outcome.accepted.tolist()
+        n = self.spec.n.tolist()
+        source = None if self.spec.source is None else self.spec.source.tolist()
         # The engine drops the rows that finished: a batch's last rounds decode fewer rows, and how much cheaper they
         # are depends on the hardware (Memory.tail). A plan's round time and yield come from its full rounds.
-        full = k.numel() == self.controller.batch
-        tokens = float((k + 1).sum()) / self.controller.batch  # per row (the backup's weaker proposals included)
+        full = len(k) == self.controller.batch
+        tokens = (sum(k) + len(k)) / self.controller.batch  # per row (the backup's weaker proposals included)
         if full:  # before observing: priced at the α it was drafted at
-            self.controller.record_tokens(self.plan, tokens, served_rows(self.spec.source, k))
+            self.controller.record_tokens(self.plan, tokens, served_rows(source, k))
         # α is the draft model's: rows the n-gram backup served after a cache miss accept far less (their shortfall
         # is the SSD mode's yield), and counted in α they made every drafting plan look worse than plain
-        primary = drafted if self.spec.source is None else drafted & (self.spec.source.cpu() != SOURCE_NGRAM)
-        self.controller.observe_acceptance(float(k[primary].sum()), float((k[primary] < n[primary]).sum()),
+        primary = [i for i in range(len(k)) if n[i] > 0 and (source is None or source[i] != SOURCE_NGRAM)]
+        self.controller.observe_acceptance(float(sum(k[i] for i in primary)), float(sum(k[i] < n[i] for i in primary)),
                                            int8=self.plan.int8)
         # Plain steps inside our round loop (a switch to plain mid-generation) are not the plain the controller
         # prices: a call that starts with plain runs transformers' own loop, measured there (record_plain), about
@@ -193,7 +194,7 @@ class ControlledDrafter(Drafter):
         if self.last_start is not None and not in_loop_plain and not compiled and not self.disturbed():
             seconds, measured = now - self.last_start, self.memory.round_s.get(self.plan)
             tail = self.memory.tail.setdefault(family(self.plan), TailShare())
-            tail.add(seconds, k.numel() / self.controller.batch, None if measured is None else measured.value)
+            tail.add(seconds, len(k) / self.controller.batch, None if measured is None else measured.value)
             if full:
                 self.round_recorded = True  # its draft work is recorded too, once resolve has its span
                 self.memory.record_round(self.plan, seconds, tokens=tokens)
@@ -285,11 +286,11 @@ def _row(pred) -> dict:
     return row
 
 
-def served_rows(source: torch.Tensor | None, accepted: torch.Tensor) -> tuple[tuple[int, float], tuple[int, float]] | None:
+def served_rows(source: list[int] | None, accepted: list[int]) -> tuple[tuple[int, float], tuple[int, float]] | None:
     """((rows the speculation cache served, their tokens), (rows a backup served, their tokens)) of a round whose
-    rows accepted `accepted` drafts; None where the speculation does not say where its rows came from."""
+    rows (sources `source`, SOURCE_*) accepted `accepted` drafts; None where the speculation does not say."""
     if source is None:
         return None
-    cached = source.cpu() == SOURCE_CACHE
-    tokens = (accepted + 1).float()
-    return (int(cached.sum()), float(tokens[cached].sum())), (int((~cached).sum()), float(tokens[~cached].sum()))
+    hit = [a + 1 for s, a in zip(source, accepted) if s == SOURCE_CACHE]
+    miss = [a + 1 for s, a in zip(source, accepted) if s != SOURCE_CACHE]
+    return (len(hit), float(sum(hit))), (len(miss), float(sum(miss)))
