@@ -238,7 +238,7 @@ class StaticCachedModel:
             again = ("; the next generation tries again" if e.compile_failures[n] < static_registry.COMPILE_TRIES
                      else " again; it stays eager in this process")
             warnings.warn(f"hf_ssd: compiling the static-cache forward ({n} tokens per row) failed "
-                          f"({e.compile_failed.splitlines()[0][:300]}); this generation runs it eagerly{again}.",
+                          f"({_what_failed(e.compile_failed)}); this generation runs it eagerly{again}.",
                           RuntimeWarning, stacklevel=3)
             return slot_step(*args)
         dt = time.perf_counter() - t0
@@ -341,3 +341,11 @@ class StaticCachedModel:
             alive[self._rows_t] = True
             e.alive.copy_(alive)
         self.trim()
+
+
+def _what_failed(message: str) -> str:
+    """A compile error's first line, with dynamo's context line (which call it could not trace, with what) where
+    it gives one: "Failed to convert args/kwargs to proxy" alone does not say what to look at."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    context = next((line for line in lines[1:] if line.lower().startswith(("context:", "call_function"))), None)
+    return "; ".join(x[:300] for x in (lines[:1] + ([context] if context else [])))
