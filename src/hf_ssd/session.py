@@ -271,4 +271,4 @@ def make_controller(target, draft, batch: int, greedy: bool, config: SSDConfig, 
     return Controller(costs, memory_for(key), batch, allowed, prior, fixed_alpha=config.alpha,
                       process_ready=process_ready, plain_compiled=config.compile_target,
                       draft_compiled=config.compile is not False, target=target, max_length=max_length,
-                      prompt_len=prompt_len)
+                      prompt_len=prompt_len, draft=draft)

@@ -388,6 +388,38 @@ def test_an_exploration_never_compiles(monkeypatch):
         assert second.reason.startswith("exploring sync") == (not compiled)
 
 
+def test_graphs_compiled_in_this_process_by_other_calls_cost_nothing(monkeypatch):
+    """As above with compiled forwards, but this process's static registry has the draft's single-step graphs
+    already (an earlier `ssd_mode="sync"` call built them on caches of the right size): compiled sync is explored.
+    A draft process's graphs and an int8 copy's are not looked up in this process."""
+    from types import SimpleNamespace
+
+    from hf_ssd.control.compiled import compiled_in_process
+    from hf_ssd.control.decision import Horizon
+    from hf_ssd.runtime import static_registry
+
+    monkeypatch.setattr(static_registry, "COMPILE_SPENT", {"seconds": 30.0, "graphs": 10})
+    target, draft = SimpleNamespace(), SimpleNamespace()
+    entries = [SimpleNamespace(batch=1, max_cache_len=2 ** i, compiled_widths=set(range(1, 20))) for i in range(6, 14)]
+    monkeypatch.setattr(static_registry, "registry_entries", lambda model=None: entries if model is draft else [])
+    ctl = Controller(costs(split=1.3), Memory(), 1, {}, fixed_alpha=0.8, draft_compiled=True, max_length=200,
+                     target=target, draft=draft)
+    horizon = Horizon(tokens=64, context=100)
+    first = ctl.decide(horizon=horizon).plan
+    assert first.mode == "ssd"
+    ctl.mark_compiled(first)
+    _measured_as_modelled(ctl, first)
+    ctl.memory.calls = COMPILE_FREE_CALLS
+    ctl.memory.generated = 1e6
+    assert ctl.decide(horizon=horizon).reason.startswith("exploring sync")
+    graph = ("draft", False, False, 1, ("slots", 256))
+    assert compiled_in_process(graph, target, draft, 1)
+    assert not compiled_in_process(graph, target, draft, 4)  # another batch size: other caches
+    assert not compiled_in_process(("draft", False, True, 1, ("slots", 256)), target, draft, 1)  # a draft process's
+    assert not compiled_in_process(("draft", True, False, 1, ("slots", 256)), target, draft, 1)  # the int8 copy's
+    assert not compiled_in_process(("target", 3, ("slots", 256)), target, draft, 1)  # not built for the target
+
+
 def test_a_family_is_explored_once_however_few_rounds_it_recorded():
     """A call that explored sync but recorded fewer than MIN_ROUNDS of its rounds (a short call, or one measured
     while a kept process started) does not make every later call explore it again."""

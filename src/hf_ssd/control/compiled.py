@@ -13,6 +13,7 @@ from __future__ import annotations
 from hf_ssd.control.plan import MAX_K, Plan
 from hf_ssd.runtime.static_choice import TARGET_K_MAX, sync_sequence_len
 from hf_ssd.runtime.static_kv import static_cache_len
+from hf_ssd.runtime import static_registry
 from hf_ssd.runtime.static_registry import REUSE_LARGER
 
 COMPILE_PRIOR_S = 5.0  # seconds per graph until this process has measured one
@@ -94,6 +95,26 @@ def built(graph: tuple, graphs: set) -> bool:
         return False
     return any(g[:-1] == graph[:-1] and isinstance(g[-1], tuple) and g[-1][0] == "slots"
                and need[1] <= g[-1][1] <= REUSE_LARGER * need[1] for g in graphs)
+
+
+def compiled_in_process(graph: tuple, target, draft, batch: int) -> bool:
+    """Is `graph` compiled in this process's static registry already, whoever built it: the controller's own record
+    (Memory.graphs) knows only the plans its setting ran, and a caller's earlier `ssd_mode="sync"` calls (or a
+    benchmark's hand-picked rows) compiled our target's verify widths and the full-precision draft's single steps
+    on the same caches. Those were charged as if missing: on the overhead workload at batch 1 `ssd=True` never
+    tried compiled sync SD on MT-Bench, the fastest row there, once its free compiling calls were spent. A draft
+    process's graphs (and an int8 copy's) are its own and are not looked up."""
+    slots = graph[-1][1] if isinstance(graph[-1], tuple) and graph[-1][0] == "slots" else None
+    if graph[0] == "target":
+        model, width = target, graph[1]
+    elif graph[0] == "draft" and not graph[1] and not graph[2]:  # ("draft", int8, process, width, slots)
+        model, width = draft, graph[3]
+    else:
+        return False
+    if model is None or slots is None:
+        return False
+    return any(e.batch == batch and slots <= e.max_cache_len <= REUSE_LARGER * slots and width in e.compiled_widths
+               for e in static_registry.registry_entries(model))
 
 
 def compile_share(compile_s: float, horizon_tokens: float, generated_tokens: float) -> float:

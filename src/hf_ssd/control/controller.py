@@ -15,8 +15,8 @@ import statistics
 import time
 from dataclasses import replace
 
-from hf_ssd.control.compiled import (COMPILE_FREE_CALLS, COMPILE_PRIOR_S, built, compile_share, graph_seconds,
-                                     plan_graphs)
+from hf_ssd.control.compiled import (COMPILE_FREE_CALLS, COMPILE_PRIOR_S, built, compile_share, compiled_in_process,
+                                     graph_seconds, plan_graphs)
 from hf_ssd.control.costs import Costs
 from hf_ssd.control.decision import Decision, Horizon, family, retunable, simpler
 from hf_ssd.control.exploration import (alpha_exploration, family_exploration, second_look, still_exploring,
@@ -47,14 +47,15 @@ SWITCH_OPTIMISM = 1.0
 class Controller:
     def __init__(self, costs: Costs, memory: Memory, batch: int, allowed: dict, prior: Acceptance | None = None,
                  fixed_alpha: float | None = None, process_ready: bool = False, plain_compiled: bool = False,
-                 draft_compiled: bool = False, target=None, max_length: int | None = None, prompt_len: int = 0):
+                 draft_compiled: bool = False, target=None, max_length: int | None = None, prompt_len: int = 0,
+                 draft=None):
         """allowed: constraints from explicit options, e.g. {"mode": ("ssd",), "K": (4,), "budget": 8,
         "int8": False, "worker": "thread", "threads": (1, 1)}; absent keys are free. process_ready: a kept draft
         process is up (workers.pool), so process-worker plans are candidates beside the thread's. plain_compiled:
         the target runs compiled (ssd_compile_target), so plain shares the other plans' calibration;
         draft_compiled: the draft does (ssd_compile). Either way a plan with new shapes pays their compiles
         (control.compiled; `target`: the model, whose compiled plain loop's measured compile time prices it)."""
-        self.target = target
+        self.target, self.draft = target, draft  # the models, where compiled graphs of theirs are looked up
         self.max_length = max_length  # the call's length limit: our static caches (and graphs) are sized by it
         self.prompt_len = prompt_len  # ... and by its prompt (a synchronous draft's room for holes)
         self.costs, self.memory, self.batch = costs, memory, batch
@@ -279,7 +280,9 @@ class Controller:
         first COMPILE_FREE_CALLS calls (the user's opted-in warm-up)."""
         if not self.memory.graphs or self.memory.calls < COMPILE_FREE_CALLS:
             return 0.0
-        missing = {g for g in self.graphs(plan, in_loop) if not built(g, self.memory.graphs)}
+        missing = {g for g in self.graphs(plan, in_loop) if not built(g, self.memory.graphs)
+                   and not self._shared(("in process", g), lambda g=g: compiled_in_process(g, self.target, self.draft,
+                                                                                          self.batch))}
         if not missing:
             return 0.0
         spent = static_registry.COMPILE_SPENT
