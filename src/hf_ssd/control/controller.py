@@ -25,8 +25,8 @@ from hf_ssd.control.learned_line import LearnedLine, measured_parts, tree_forwar
 from hf_ssd.control.memory import Memory, Tally, Yield
 from hf_ssd.control.plan import (MAX_K, Acceptance, Plan, Prediction, Served, candidates, modelled_hit_rate, predict,
                                  verify_s)
-from hf_ssd.core.speed_model import expected_tokens_per_round
 from hf_ssd.control.shortlist import candidates_key, make_shortlist
+from hf_ssd.core.speed_model import expected_tokens_per_round
 from hf_ssd.runtime import static_registry
 
 MIN_ROUNDS = 4  # rounds a plan must have run before its measured round time replaces the model's
@@ -254,8 +254,6 @@ class Controller:
         """`plan`'s cache answered `hits` of a round's `lookups` (rows): its misses against the model's."""
         if plan.mode != "ssd" or lookups <= 0:
             return
-        self.memory.hits += hits
-        self.memory.lookups += lookups
         modelled = lookups * (1.0 - modelled_hit_rate(plan, self.acceptance(plan.int8)))
         for tally in (self.memory.misses.setdefault(plan, Yield()), self.memory.all_misses):
             tally.add(lookups - hits, modelled)

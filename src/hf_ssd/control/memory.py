@@ -225,8 +225,6 @@ class Memory:
     # plans' rounds priced the fp32 draft too low
     tallies: dict[bool, Tally] = field(default_factory=dict)
     alpha_rounds: int = 0  # drafting rounds that informed α: how much α rests on measurement, not the prior
-    hits: float = 0.0
-    lookups: float = 0.0
     guessability: Guessability = field(default_factory=Guessability)
     round_s: dict[Plan, Ema] = field(default_factory=dict)  # measured seconds per round, per plan that ran
     ssd_yield: Yield = field(default_factory=Yield)  # SSD's committed / modelled tokens per round
