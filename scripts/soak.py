@@ -37,7 +37,7 @@ from transformers import StoppingCriteriaList
 
 import hf_ssd
 from hf_ssd.testing import PAD, VOCAB, InterruptOnCall, get_pair, plain_generate
-from hf_ssd.workers.process import ProcessDrafter
+from hf_ssd.workers.process_drafter import ProcessDrafter
 from hf_ssd.workers.thread import live_worker_threads
 
 ROOT = Path(__file__).resolve().parents[1]

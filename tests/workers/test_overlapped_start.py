@@ -20,7 +20,7 @@ from hf_ssd.draft.protocol import Drafter
 from hf_ssd.runtime import kv as kv_mod
 from hf_ssd.runtime.stats import SSDStats
 from hf_ssd.testing import shallow_copy, tiny_llama
-from hf_ssd.workers.process import ProcessDrafter
+from hf_ssd.workers.process_drafter import ProcessDrafter
 
 SSD = dict(ssd=True, ssd_mode="ssd", ssd_num_draft_tokens=4, ssd_draft_quantize=None, ssd_budget=6)
 PROCESS = Plan("ssd", 4, 6, "process", threads=(1, 1))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hf_ssd  # noqa: F401
-from hf_ssd.workers.process import ProcessDrafter
+from hf_ssd.workers.process_drafter import ProcessDrafter
 from hf_ssd.draft.saguaro import SaguaroDrafter
 from hf_ssd.testing import shallow_copy, tiny_llama
 from hf_ssd.workers.thread import live_worker_threads
@@ -306,7 +306,7 @@ def test_process_rounds_send_no_tensors(pair, monkeypatch, sample):
     makes the contexts buffer grow (sent again, once per growth); the n-gram backup reads the contexts from it."""
     import pickle
 
-    from hf_ssd.workers import process as process_module
+    from hf_ssd.workers import process_drafter as process_module
 
     target, draft, prompts, mask = pair
     monkeypatch.setattr(process_module, "CONTEXT_CAPACITY", 4)

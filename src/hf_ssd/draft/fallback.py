@@ -59,6 +59,16 @@ class FallbackDrafter(Drafter):
             self._fail(exc)
             self.needs_restart = True
 
+    def send(self, verdict: Verdict) -> bool:
+        if self.needs_restart:
+            return False
+        try:
+            return self.current.send(verdict)
+        except Exception as exc:  # noqa: BLE001 - resolve then restarts the next drafter of the chain
+            self._fail(exc)
+            self.needs_restart = True
+            return False
+
     def resolve(self, verdict: Verdict) -> DraftResult:
         if not self.needs_restart:
             try:

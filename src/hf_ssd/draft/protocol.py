@@ -7,6 +7,7 @@ One round, as the engine sees it:
     loop:
         drafter.begin(spec)                         # spec is about to be verified (concurrent drafters start work)
         verdict = <target verifies spec, tokens are committed>
+        drafter.send(verdict)                       # optional: a drafter elsewhere starts on the outcome now
         result = drafter.resolve(verdict)           # the next speculation for the rows still generating
         spec = result.spec
     drafter.close()
@@ -57,6 +58,12 @@ class Drafter(ABC):
         """Take the round's outcome (k accepted, bonus t* per row) and return the next speculation for the rows
         with `verdict.keep` set, in order. Between rounds the drafter's cache holds every committed token except
         the last bonus, which leads the next draft block."""
+
+    def send(self, verdict: Verdict) -> bool:
+        """Hand the round's outcome over now; the `resolve(verdict)` that follows collects the answer. A drafter
+        that runs elsewhere (a process, a thread) starts its lookup here, so what the caller does in between (the
+        controller's bookkeeping) overlaps it. False where nothing was sent: resolve then does all of it."""
+        return False
 
     def retune(self, K: int) -> bool:
         """Draft K tokens per round from the next resolve on, keeping the cache (no restart, no prefill). False

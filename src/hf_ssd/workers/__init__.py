@@ -35,7 +35,7 @@ def make_drafter(config: SSDConfig, draft: DraftModel, stats: SSDStats, budget: 
     kind = config.worker if config.worker != "auto" else default_worker(draft.kv.device)
     stats.worker = kind
     if kind == "process":
-        from hf_ssd.workers.process import ProcessDrafter
+        from hf_ssd.workers.process_drafter import ProcessDrafter
 
         return ProcessDrafter(draft, config, stats, budget, greedy, process, max_length)
     # a static (compilable) draft cache (runtime.static_kv) gets the sync-free, fixed-shape tree

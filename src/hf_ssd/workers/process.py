@@ -11,7 +11,8 @@ Starting a process costs seconds (imports, moving the weights to shared memory).
         for prompt in prompts:
             target.generate(prompt, assistant_model=draft, ssd=True, ssd_worker=worker)
 
-Without such a handle, every generate() starts its own process and ends it before returning.
+Without such a handle, every generate() starts its own process and ends it before returning. The drafter that
+talks to the child each round is `workers.process_drafter.ProcessDrafter`.
 
 The child is started with multiprocessing's "spawn": it imports your main module again. A script that creates a
 DraftProcess (or uses ssd_worker="process") at module level must guard that code with `if __name__ == "__main__":`,
@@ -41,8 +42,6 @@ import torch.multiprocessing as mp
 from hf_ssd.config import SSDConfig
 from hf_ssd.draft.model import DraftModel
 from hf_ssd.draft.quant import quantized_draft, unquantized
-from hf_ssd.core.types import DraftResult, Speculation, Verdict
-from hf_ssd.draft.protocol import Drafter
 from hf_ssd.runtime.stats import SSDStats
 from hf_ssd.workers.exchange import Exchange
 
@@ -50,7 +49,6 @@ from hf_ssd.workers.exchange import Exchange
 # answered: a tensor travels as a file descriptor the child fetches from the parent while unpickling, and a child
 # ended (restarted) before fetching it would leave the parent holding that descriptor.
 UNANSWERED = ("begin",)
-CONTEXT_CAPACITY = 256  # initial tokens per row of the shared contexts buffer (twice the prompt if longer)
 
 # Stats the child's drafter maintains and the parent reports.
 SHARED_STATS = ("cache_lookups", "cache_hits", "backup_rounds", "fanout_after_hit", "fanout_after_miss", "budget",
@@ -344,108 +342,3 @@ class DraftProcess:
         except Exception:
             pass
 
-
-class ProcessDrafter(Drafter):
-    kind = "process"
-
-    def __init__(self, draft: DraftModel, config: SSDConfig, stats: SSDStats, budget: int, greedy: bool,
-                 process: DraftProcess | None = None, max_length: int | None = None):
-        self.stats = stats
-        self.remote_forwards = 0
-        self.vocab, self.greedy = draft.vocab_size, greedy
-        self.exchange: Exchange | None = None  # this generation's shared buffers (allocated at start)
-        self.starting: int | None = None  # the sequence number of a start sent by prepare(), not yet answered
-        self.owned = process is None
-        self.worker = DraftProcess(draft.kv.model) if process is None else process
-        self.worker.acquire()  # one generation at a time; restarts a process an interrupted call left out of step
-        try:
-            rng_state = None if draft.generator is None else draft.generator.get_state()
-            self.worker.call("setup", draft.vocab_size, draft.warpers, greedy, draft.downweight, rng_state,
-                             config.to_dict(), budget, stats.started, config.draft_threads, draft.kv.batch,
-                             max_length)
-        except BaseException:
-            self.close()
-            raise
-
-    @property
-    def forwards(self) -> int:
-        return self.remote_forwards
-
-    def prepare(self, prompt: torch.Tensor, mask: torch.Tensor) -> bool:
-        # The child prefills the draft while the parent prefills the target: a call's first token then waits for
-        # the slower of the two prefills, not their sum. start() collects the answer.
-        self.starting = self._send_start(prompt, mask)
-        return True
-
-    def _send_start(self, prompt: torch.Tensor, mask: torch.Tensor) -> int:
-        # Copies: sending a CPU tensor moves its storage to shared memory in place (one open file per tensor in
-        # the file_descriptor strategy), and the caller's input_ids must not be turned into that.
-        return self.worker.send("start", prompt.cpu().clone(), mask.cpu().clone())
-
-    def start(self, prompt: torch.Tensor, mask: torch.Tensor) -> Speculation:
-        seq, self.starting = self.starting, None
-        if seq is None:  # not prepared (a restart after a fallback or a switch)
-            seq = self._send_start(prompt, mask)
-        spec = self.worker._answer("start", seq)
-        # The rounds' buffers, sized for this batch, allocated and sent once (see Exchange).
-        q_dtype = None if self.greedy else (torch.float32 if spec.q is None else spec.q.dtype)
-        self.exchange = None
-        exchange = Exchange(prompt.shape[0], spec.tokens.shape[1], self.vocab, q_dtype,
-                            max(CONTEXT_CAPACITY, 2 * prompt.shape[1]))
-        self.worker.call("exchange", *exchange.message())
-        self.exchange = exchange
-        return spec
-
-    def begin(self, spec: Speculation) -> None:
-        self.worker.send("begin", self.exchange.write_spec(spec))
-
-    def resolve(self, verdict: Verdict) -> DraftResult:
-        t0 = time.perf_counter()
-        exchange = self.exchange
-        longest = max(c.shape[0] for c in verdict.contexts)
-        if longest > exchange.capacity:  # not foreseen below (waits for the tree build: a call is answered in order)
-            self.worker.call("contexts", exchange.grow(longest))
-        rows, kept = exchange.write_verdict(verdict)
-        seq = self.worker.send("resolve", rows, kept, verdict.verify_s)
-        sent = time.perf_counter()
-        (out_rows, has_q, has_hits, backup, draft_span, draft_s, info, self.remote_forwards, compute_s,
-         begin_end) = self.worker._answer("resolve", seq)
-        if out_rows != kept:
-            raise RuntimeError(f"the draft process returned {out_rows} rows for {kept} kept rows")
-        for name in SHARED_STATS:
-            setattr(self.stats, name, info[name])
-        spec, hits = exchange.read_result(out_rows, has_q, has_hits)
-        if longest + exchange.K + 1 > exchange.capacity:
-            # Rare: the next round's contexts (at most K + 1 tokens longer) may not fit. Grow now, while the child
-            # is idle: the larger buffer is sent once, answered at once.
-            self.worker.call("contexts", exchange.grow(longest + exchange.K + 1))
-        # Hand-over: this call's wall time less the child's own resolve and any wait for its tree build to end.
-        waited = 0.0 if begin_end is None else max(0.0, begin_end - sent)
-        handover = max(0.0, time.perf_counter() - t0 - compute_s - waited)
-        return DraftResult(spec, hits=hits, backup=backup, draft_span=draft_span, draft_s=draft_s,
-                           handover_s=handover)
-
-    def _answering(self) -> bool:
-        """Can the child still be asked something (alive, the pipe in step, not closed)?"""
-        worker = self.worker
-        return worker.process.is_alive() and worker._broken is None and not worker.closed
-
-    def close(self) -> None:
-        self.exchange = None  # frees this generation's shared memory (and its file descriptors) in the parent
-        try:
-            try:  # the stats the child's last round changed (it learns after answering)
-                if self._answering():
-                    for name, value in self.worker.call("stats").items():
-                        setattr(self.stats, name, value)
-            except Exception:  # noqa: BLE001 - a failed child has nothing more to say; the output is complete
-                pass
-            if self.owned:
-                self.worker.close()
-                return
-            try:  # a kept worker stays up for the next generation, without this one's caches
-                if self._answering():
-                    self.worker.call("release")
-            except Exception:
-                pass
-        finally:
-            self.worker.release()

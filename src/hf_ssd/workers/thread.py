@@ -23,6 +23,7 @@ class ThreadDrafter(Drafter):
         self.draft_threads = draft_threads
         self.pending: concurrent.futures.Future | None = None
         self.starting: concurrent.futures.Future | None = None  # a start prepare() began on the draft's stream
+        self.sent: tuple[concurrent.futures.Future, float] | None = None  # send()'s resolve and when it was queued
         device = inner.draft.kv.device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.pool = concurrent.futures.ThreadPoolExecutor(
@@ -81,25 +82,36 @@ class ThreadDrafter(Drafter):
     def begin(self, spec: Speculation) -> None:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        self.pending = self.pool.submit(self._on_stream, self.inner.begin, spec)
+        self.pending = self.pool.submit(self._timed, self.inner.begin, spec)
+
+    def send(self, verdict: Verdict) -> bool:
+        # queued behind the tree build (one worker thread): the lookup starts the moment the build ends
+        self.sent = (self.pool.submit(self._timed, self.inner.resolve, verdict), time.perf_counter())
+        return True
 
     def resolve(self, verdict: Verdict) -> DraftResult:
         pending, self.pending = self.pending, None
-        if pending is not None:
-            self._sync(pending)
-        t0 = time.perf_counter()
-        result, compute_s = self._sync(self.pool.submit(self._timed, self.inner.resolve, verdict))
-        # Hand-over: the hop to the worker thread and back (and the stream sync), not the resolve itself.
-        result.handover_s = max(0.0, time.perf_counter() - t0 - compute_s)
+        built = self._sync(pending)[2] if pending is not None else 0.0
+        sent, self.sent = self.sent, None
+        collecting = time.perf_counter()
+        if sent is None:
+            sent = (self.pool.submit(self._timed, self.inner.resolve, verdict), collecting)
+        future, at = sent
+        result, began, ended = self._sync(future)
+        # Hand-over: the hops to the worker thread (once both the outcome and the thread were there) and back (once
+        # the caller came for it; and the stream sync), not the resolve itself nor the caller's work in between.
+        result.handover_s = max(0.0, began - max(at, built)) + max(0.0, time.perf_counter() - max(ended, collecting))
         return result
 
     def _timed(self, fn, *args):
-        t0 = time.perf_counter()
+        """fn(*args) on the draft's stream, with when it began and ended."""
+        began = time.perf_counter()
         result = self._on_stream(fn, *args)
-        return result, time.perf_counter() - t0
+        return result, began, time.perf_counter()
 
     def close(self) -> None:
         pending, self.pending = self.pending, None
+        self.sent = None
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.inner.close()
         if pending is not None and not pending.cancelled() and pending.exception() is not None:
