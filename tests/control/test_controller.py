@@ -1297,3 +1297,26 @@ def test_the_guessability_is_refitted_every_few_rounds_not_every_round(monkeypat
         assert g.fit == first
     g.add(counts(0.0, 4.0, 1.0, 1.0))
     assert g.fit != first and len(fits) == 2
+
+
+def test_an_aged_compiled_plain_price_follows_the_verifies_drift_not_their_model():
+    """With a compiled target, plain not yet measured is priced by the verifies' measured ratio. Once measured
+    (transformers' compiled loop, here 1.5x what that ratio says), its aged price moves only as the verifies' ratio
+    has moved since: old, it is not re-checked on the verify model's word, and a machine now 20% faster is."""
+    from hf_ssd.control.controller import STALE_HALF_LIFE
+    from hf_ssd.control.memory import record_plain
+
+    ctl = Controller(costs(), Memory(), 1, {"mode": ("plain", "sync"), "K": (2,)}, fixed_alpha=0.5,
+                     plain_compiled=True)
+    plain, sync = Plan("plain"), Plan("sync", 2)
+    for _ in range(8):
+        ctl.memory.verify.add(0.5)
+    modelled = 0.5 * ctl.model(plain).round_s
+    assert ctl.predict(plain).round_s == pytest.approx(modelled)
+    record_plain(ctl.memory, 1.5 * modelled, steps=8)
+    ctl.memory.record_round(sync, ctl.model(sync).round_s, count=8, rounds=3 * STALE_HALF_LIFE)  # plain ages
+    assert ctl.predict(plain, aged=True).round_s == pytest.approx(1.5 * modelled, rel=1e-6)
+    for _ in range(30):  # the verifies now run 20% faster: so, likely, does plain
+        ctl.memory.verify.add(0.4)
+    aged = ctl.predict(plain, aged=True).round_s
+    assert 0.8 * 1.5 * modelled < aged < 0.85 * 1.5 * modelled

@@ -217,10 +217,22 @@ class Controller:
         if mode == "plain" and not self.plain_compiled:
             return 1.0
         if mode == "plain" and self.memory.verify.n >= MIN_ROUNDS:
-            return min(1.0, self.memory.verify.value)
+            drifted = self._plain_drifted()
+            return drifted if drifted is not None else min(1.0, self.memory.verify.value)
         if not ratios:
             return 1.0
         return min(1.0, statistics.median(ratios.values()))
+
+    def _plain_drifted(self) -> float | None:
+        """A compiled plain step's measured / modelled ratio, measured a while ago, moved as the verifies' ratio has
+        moved since (the machine's drift); None where plain has no such measurement. The verifies' ratio itself
+        prices a plain step not yet measured, but transformers' compiled loop is not our verify forward (it ran
+        0.75x-1.15x what that ratio said on the overhead workload), so an aged plain price leaning toward it
+        re-checked plain for a difference that was never drift."""
+        measured, then = self.memory.round_s.get(Plan("plain")), self.memory.plain_verify
+        if measured is None or measured.n < MIN_ROUNDS or not then:
+            return None
+        return measured.value / max(self.model(Plan("plain")).round_s, 1e-9) * self.memory.verify.value / then
 
     def tail_share(self, plan: Plan) -> float:
         """The share of a plan's time that does its full batch's work (Memory.tail): its family's, 1 for a family

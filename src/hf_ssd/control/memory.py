@@ -242,6 +242,9 @@ class Memory:
     # measured / modelled seconds of the target's verify in draft plans: how much faster the target's own forward
     # runs than its eager cost line (a compiled target), the best guide to a compiled plain step not yet measured
     verify: Ema = field(default_factory=Ema)
+    # verify.value when plain was last measured: a compiled plain step's price ages with the verifies' drift since
+    # then (Controller._calibration), not toward the verify-based model
+    plain_verify: float | None = None
     # seconds of the parts of compiled rounds, as lines in their size (control.learned_line), keyed
     # ("draft", plan family, int8) for an SSD tree or a synchronous draft and ("verify", plan family)
     lines: dict = field(default_factory=dict)
@@ -335,4 +338,5 @@ def record_plain(memory: Memory, step_s: float, steps: int, rows_share: float = 
     until every row has: its tail costs full steps)."""
     if steps > 0:
         memory.record_round(Plan("plain"), step_s, count=min(steps, 8), rounds=steps)
+        memory.plain_verify = memory.verify.value
         memory.tail.setdefault("plain", TailShare()).add(step_s * steps, rows_share, step_s * steps)
