@@ -176,6 +176,19 @@ def tiny_pair(seed: int = 0, noise: float = 0.02, layers: int = 2, hidden: int =
     return target, draft, tok
 
 
+def worker_pair(shape: tuple[int, int], seed: int, padded: dict[int, int]):
+    """The worker tests' pair: a tiny Llama (EOS 2, no pad token) with its one-layer shallow copy as the draft,
+    and random prompts of `shape`, left-padded by `padded` (row -> padding tokens). Returns (target, draft,
+    prompts, mask)."""
+    target = tiny_llama(0, hidden_size=48, intermediate_size=96, initializer_range=0.4, eos_token_id=2,
+                        pad_token_id=None)
+    prompts = torch.randint(0, 96, shape, generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(prompts)
+    for row, pads in padded.items():
+        mask[row, :pads] = 0
+    return target, shallow_copy(target), prompts, mask
+
+
 def tiny_requested(flag: bool = False) -> bool:
     """True when `--tiny` was given or the environment variable HF_SSD_TINY is set to a non-empty, non-0 value."""
     return flag or os.environ.get("HF_SSD_TINY", "") not in ("", "0")

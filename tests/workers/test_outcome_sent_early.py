@@ -10,7 +10,7 @@ import torch
 
 import hf_ssd  # noqa: F401
 from hf_ssd.control.controller import Controller
-from hf_ssd.testing import shallow_copy, tiny_llama
+from hf_ssd.testing import worker_pair
 from hf_ssd.workers.process_drafter import ProcessDrafter
 from hf_ssd.workers.thread import ThreadDrafter
 
@@ -21,12 +21,7 @@ SENDERS = {"process": ProcessDrafter, "thread": ThreadDrafter}
 
 @pytest.fixture(scope="module")
 def pair():
-    target = tiny_llama(0, hidden_size=48, intermediate_size=96, initializer_range=0.4, eos_token_id=2,
-                        pad_token_id=None)
-    prompts = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(5))
-    mask = torch.ones_like(prompts)
-    mask[0, :2] = 0
-    return target, shallow_copy(target), prompts, mask
+    return worker_pair((2, 11), seed=5, padded={0: 2})
 
 
 @pytest.mark.parametrize("worker", ["process", "thread"])

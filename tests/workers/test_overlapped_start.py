@@ -19,7 +19,7 @@ from hf_ssd.control.plan import Plan
 from hf_ssd.draft.protocol import Drafter
 from hf_ssd.runtime import kv as kv_mod
 from hf_ssd.runtime.stats import SSDStats
-from hf_ssd.testing import shallow_copy, tiny_llama
+from hf_ssd.testing import worker_pair
 from hf_ssd.workers.process_drafter import ProcessDrafter
 
 SSD = dict(ssd=True, ssd_mode="ssd", ssd_num_draft_tokens=4, ssd_draft_quantize=None, ssd_budget=6)
@@ -28,12 +28,7 @@ PROCESS = Plan("ssd", 4, 6, "process", threads=(1, 1))
 
 @pytest.fixture(scope="module")
 def pair():
-    target = tiny_llama(0, hidden_size=48, intermediate_size=96, initializer_range=0.4, eos_token_id=2,
-                        pad_token_id=None)
-    prompts = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(prompts)
-    mask[1, :3] = 0
-    return target, shallow_copy(target), prompts, mask
+    return worker_pair((2, 11), seed=3, padded={1: 3})
 
 
 def test_the_draft_process_starts_before_the_targets_prefill(pair, monkeypatch):

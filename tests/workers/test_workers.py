@@ -13,7 +13,7 @@ import torch
 import hf_ssd  # noqa: F401
 from hf_ssd.workers.process_drafter import ProcessDrafter
 from hf_ssd.draft.saguaro import SaguaroDrafter
-from hf_ssd.testing import shallow_copy, tiny_llama
+from hf_ssd.testing import worker_pair
 from hf_ssd.workers.thread import live_worker_threads
 
 WORKERS = ["inline", "thread", "process"]
@@ -23,13 +23,7 @@ SSD = dict(ssd=True, ssd_mode="ssd", ssd_num_draft_tokens=4, ssd_draft_quantize=
 
 @pytest.fixture(scope="module")
 def pair():
-    target = tiny_llama(0, hidden_size=48, intermediate_size=96, initializer_range=0.4, eos_token_id=2, pad_token_id=None)
-    draft = shallow_copy(target)
-    prompts = torch.randint(0, 96, (3, 9), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(prompts)
-    mask[1, :4] = 0
-    mask[2, :2] = 0
-    return target, draft, prompts, mask
+    return worker_pair((3, 9), seed=1, padded={1: 4, 2: 2})
 
 
 def no_leaks() -> None:
