@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hf_ssd.control import drafter as drafter_mod
+from hf_ssd.control.calibration import calibration, tail_share
 from hf_ssd.control.compiled import COMPILE_FREE_CALLS
 from hf_ssd.control.controller import Controller
 from hf_ssd.control.memory import Ema, Memory, TailShare
@@ -88,7 +89,7 @@ def test_an_old_measurement_is_rechecked_at_the_start_of_a_call():
     """Plain was measured slower than sync SD, long ago (a slow spell, say); sync has run since. At the start of a
     call the old measurement counts less, leaning toward the model, so plain is tried again; mid-generation it is
     not (a switch costs a restart). Measured slow again, plain is left alone: a fresh measurement is believed."""
-    from hf_ssd.control.controller import STALE_HALF_LIFE
+    from hf_ssd.control.calibration import STALE_HALF_LIFE
 
     ctl = controller(costs(draft=(0.05, 0.001)), alpha=0.5, allowed={"mode": ("plain", "sync"), "K": (2,)})
     plain, sync = Plan("plain"), Plan("sync", 2)
@@ -253,7 +254,7 @@ def test_a_batchs_tail_is_charged_only_where_it_costs_more_than_its_rows(regime)
                                   for rows in (3, 2, 1, 1) for _ in range(10)]  # (seconds, share of the rows)
     for seconds, rows_share in rounds:
         tail.add(seconds, rows_share, 1.0)
-    share = ctl.tail_share(plan)
+    share = tail_share(ctl.memory, plan)
     if regime == "compute-bound":
         assert share == pytest.approx(1.0)
     else:  # the rows' share of each round, the latest rounds weighing most
@@ -273,9 +274,9 @@ def test_plain_rows_that_ended_early_are_charged_too():
 
     ctl = controller(costs(), alpha=0.8, batch=4)
     record_plain(ctl.memory, 0.1, 63, rows_share=0.9)
-    assert ctl.tail_share(Plan("plain")) == pytest.approx(0.9)
+    assert tail_share(ctl.memory, Plan("plain")) == pytest.approx(0.9)
     assert ctl.predict(Plan("plain")).tokens_per_round == pytest.approx(4 * 0.9)
-    assert ctl.tail_share(Plan("sync", 2)) == 1.0
+    assert tail_share(ctl.memory, Plan("sync", 2)) == 1.0
 
 
 def test_a_stalled_tail_round_leaves_the_tail_share_alone():
@@ -824,7 +825,7 @@ def test_a_measured_speed_up_carries_over_to_families_that_have_not_run():
     ctl.memory.round_s[sync] = fast
     ssd = Plan("ssd", 4, 8, "thread", threads=(1, 1))
     assert ctl.predict(ssd).round_s == pytest.approx(0.5 * ctl.model(ssd).round_s)
-    assert ctl.calibration("sync") == pytest.approx(0.5)
+    assert calibration(ctl, "sync") == pytest.approx(0.5)
     slow = Ema()
     slow.add(3.0 * ctl.model(sync).round_s, count=8)
     ctl.memory.round_s[sync] = slow
@@ -1303,7 +1304,7 @@ def test_an_aged_compiled_plain_price_follows_the_verifies_drift_not_their_model
     """With a compiled target, plain not yet measured is priced by the verifies' measured ratio. Once measured
     (transformers' compiled loop, here 1.5x what that ratio says), its aged price moves only as the verifies' ratio
     has moved since: old, it is not re-checked on the verify model's word, and a machine now 20% faster is."""
-    from hf_ssd.control.controller import STALE_HALF_LIFE
+    from hf_ssd.control.calibration import STALE_HALF_LIFE
     from hf_ssd.control.memory import record_plain
 
     ctl = Controller(costs(), Memory(), 1, {"mode": ("plain", "sync"), "K": (2,)}, fixed_alpha=0.5,

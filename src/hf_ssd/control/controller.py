@@ -11,10 +11,10 @@ plan is exact.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from dataclasses import replace
 
+from hf_ssd.control.calibration import MIN_ROUNDS, aged_round, calibrated, tail_share
 from hf_ssd.control.compiled import (COMPILE_FREE_CALLS, COMPILE_PRIOR_S, built, compile_share, compiled_in_process,
                                      graph_seconds, plan_graphs)
 from hf_ssd.control.costs import Costs
@@ -29,12 +29,6 @@ from hf_ssd.control.shortlist import candidates_key, make_shortlist
 from hf_ssd.core.speed_model import expected_tokens_per_round
 from hf_ssd.runtime import static_registry
 
-MIN_ROUNDS = 4  # rounds a plan must have run before its measured round time replaces the model's
-# A plan's measurement ages as other plans run: after this many rounds (all plans together) it counts half, and
-# the prediction leans toward what the cost model and the fresh measurements say. A machine's speed drifts; a plan
-# measured in a slow spell would otherwise never be chosen, so never measured again.
-STALE_HALF_LIFE = 1024
-MAX_DRIFT = 0.75  # ... but never below this fraction of the measured round: drift is tens of percent, not more
 SWITCH_GAIN = 1.10  # switch mid-generation only for a predicted gain of 10% or more (timings are noisy)
 SIMPLER_WITHIN = 0.97  # prefer the simpler plan when the fancier one is predicted less than 3% faster
 # pseudo-observations of the setting's pooled α behind this call's own acceptance (Controller.acceptance)
@@ -165,81 +159,6 @@ class Controller:
             line = self.memory.lines.setdefault(("draft", family(plan), plan.int8), LearnedLine(proportional=True))
             line.add(tree_forwards(plan), seconds, step_s)
 
-    def calibration(self, mode: str, max_age: int | None = None) -> float:
-        """Measured / modelled round time of the plans of `mode` (a plan `family`) that ran: the engine's own work,
-        thread contention and whatever else the cost lines miss. Without it, plans that never ran would look better
-        than their siblings that did, and the controller would hop between them.
-
-        A family that has not run takes the other families' ratio only where it is below 1: the cost lines are
-        eager forwards, and compiled forwards (ssd_compile) are faster for every family alike, while a slowdown
-        (contention on one side's cores) may be the measured family's own. So each family is tried at most once
-        before its own measurements take over, and never looks worse than the model says before it has run.
-        Plain decoding is the exception: unless the target is compiled, it runs transformers' own eager loop, as the
-        model prices it; with a compiled target, a plain step is one target forward, so it takes the ratio measured
-        on the verifies of the plans that ran (a whole round's ratio mixes in the draft's work and the hand-over,
-        and underrated a compiled plain step by a third). max_age: only measurements at most this many rounds
-        old count."""
-        return self._shared(("calibration", mode, max_age), lambda: self._calibration(mode, max_age))
-
-    def calibrated(self, plan: Plan, modelled: float, max_age: int | None = None) -> float:
-        """`plan`'s modelled round time, calibrated by its family's measured plans: for a compiled plan whose
-        parts are priced off its family's own rounds (compiled_parts), by the seconds those rounds took beyond
-        their parts (the engine's own work and the hand-over, about the same whatever the plan's size), else by
-        the ratio measured / modelled (calibration). As a ratio, the 3 ms a compiled K = 2 round spent beyond its
-        tree and verify priced a K = 8 round 1.4x as much again, and `ssd=True` kept K = 2 where K = 8 ran 1.7-1.8x
-        faster (benchmarks/overhead-a1-unit-session25)."""
-        fam = family(plan)
-        if self.draft_compiled and plan.mode != "plain" and self.memory.lines.get(("draft", fam, plan.int8)):
-            extra = self._shared(("extra", fam, max_age), lambda: self._extra(fam, max_age))
-            if extra is not None:
-                return max(modelled + extra, 0.5 * modelled)
-        return modelled * self.calibration(fam, max_age)
-
-    def _measured_rounds(self, max_age: int | None) -> list[tuple[Plan, float]]:
-        """(plan, measured seconds a round) of the plans that ran MIN_ROUNDS rounds, measured at most `max_age`
-        rounds ago (None: any age)."""
-        return [(plan, measured.value) for plan, measured in self.memory.round_s.items()
-                if measured.n >= MIN_ROUNDS and (max_age is None or self.memory.age(plan) <= max_age)]
-
-    def _extra(self, fam: str, max_age: int | None) -> float | None:
-        """Median seconds the measured plans of family `fam` took per round beyond their modelled round; None
-        where none has run."""
-        extra = [seconds - self.model(plan).round_s for plan, seconds in self._measured_rounds(max_age)
-                 if family(plan) == fam]
-        return statistics.median(extra) if extra else None
-
-    def _calibration(self, mode: str, max_age: int | None) -> float:
-        ratios = {plan: seconds / max(self.model(plan).round_s, 1e-9)
-                  for plan, seconds in self._measured_rounds(max_age)}
-        own = [r for plan, r in ratios.items() if family(plan) == mode]
-        if own:
-            return statistics.median(own)
-        if mode == "plain" and not self.plain_compiled:
-            return 1.0
-        if mode == "plain" and self.memory.verify.n >= MIN_ROUNDS:
-            drifted = self._plain_drifted()
-            return drifted if drifted is not None else min(1.0, self.memory.verify.value)
-        if not ratios:
-            return 1.0
-        return min(1.0, statistics.median(ratios.values()))
-
-    def _plain_drifted(self) -> float | None:
-        """A compiled plain step's measured / modelled ratio, measured a while ago, moved as the verifies' ratio has
-        moved since (the machine's drift); None where plain has no such measurement. The verifies' ratio itself
-        prices a plain step not yet measured, but transformers' compiled loop is not our verify forward (it ran
-        0.75x-1.15x what that ratio said on the overhead workload), so an aged plain price leaning toward it
-        re-checked plain for a difference that was never drift."""
-        measured, then = self.memory.round_s.get(Plan("plain")), self.memory.plain_verify
-        if measured is None or measured.n < MIN_ROUNDS or not then:
-            return None
-        return measured.value / max(self.model(Plan("plain")).round_s, 1e-9) * self.memory.verify.value / then
-
-    def tail_share(self, plan: Plan) -> float:
-        """The share of a plan's time that does its full batch's work (Memory.tail): its family's, 1 for a family
-        that has not run (like calibration, it never looks worse than the model before it has run)."""
-        tail = self.memory.tail.get(family(plan))
-        return 1.0 if tail is None else tail.share
-
     def record_tokens(self, plan: Plan, tokens: float, served: tuple[tuple[int, float], tuple[int, float]] | None = None
                       ) -> None:
         """`plan`'s round committed `tokens` per row of the call's batch; called before the round's acceptance is
@@ -341,8 +260,8 @@ class Controller:
 
     def predict(self, plan: Plan, aged: bool = False, in_loop: bool = False) -> Prediction:
         """The plan's tokens per second: its round time from its measurements where it has run (aged: with old ones
-        leaning toward the model, see _aged), else from the calibrated model; its tokens per round from the
-        acceptance model at this call's α, times its mode's measured yield.
+        leaning toward the model, see calibration.aged_round), else from the calibrated model; its tokens per round
+        from the acceptance model at this call's α, times its mode's measured yield.
 
         in_loop: a switch mid-generation. Plain then runs as one-token rounds of our loop, not as transformers' own
         loop (what plain's measurements and its compiled calibration are of): eager (the compiled verify widths
@@ -357,25 +276,12 @@ class Controller:
         measured = self.memory.round_s.get(plan)
         if measured is not None and measured.n >= MIN_ROUNDS:
             value = measured.settled if aged else measured.value  # a call's start: over calls; mid-call: recent
-            pred.round_s = self._aged(plan, value, pred.round_s) if aged else value
+            pred.round_s = aged_round(self, plan, value, pred.round_s) if aged else value
             pred.parts = {**pred.parts, "measured_round": value}
         else:
-            pred.round_s = self.calibrated(plan, pred.round_s)
-        pred.tokens_per_round *= self.tail_share(plan)
+            pred.round_s = calibrated(self, plan, pred.round_s)
+        pred.tokens_per_round *= tail_share(self.memory, plan)
         return pred
-
-    def _aged(self, plan: Plan, measured: float, modelled: float) -> float:
-        """A measured round time, leaning toward the model (calibrated by fresh measurements only) as it ages, and
-        only where that is faster, by at most the machine's drift (MAX_DRIFT): an old measurement may be of a slow
-        spell, so a plan measured a little slower than the best gets re-checked once the doubt is worth a call; a
-        plan that really is slow measures slow again and is left alone for a while, and one far slower than the
-        best never comes back on the cost model's word (the model can be optimistic by more than any drift)."""
-        age = self.memory.age(plan)
-        if age <= 0:
-            return measured
-        fresh = 0.5 ** (age / STALE_HALF_LIFE)
-        now = self.calibrated(plan, modelled, max_age=STALE_HALF_LIFE // 2)
-        return fresh * measured + (1 - fresh) * min(measured, max(now, MAX_DRIFT * measured))
 
     # ---- choosing ---------------------------------------------------------------------------------------------
     def decide(self, current: Plan | None = None, horizon: Horizon | None = None) -> Decision:

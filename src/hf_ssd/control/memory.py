@@ -243,7 +243,7 @@ class Memory:
     # runs than its eager cost line (a compiled target), the best guide to a compiled plain step not yet measured
     verify: Ema = field(default_factory=Ema)
     # verify.value when plain was last measured: a compiled plain step's price ages with the verifies' drift since
-    # then (Controller._calibration), not toward the verify-based model
+    # then (control.calibration), not toward the verify-based model
     plain_verify: float | None = None
     # seconds of the parts of compiled rounds, as lines in their size (control.learned_line), keyed
     # ("draft", plan family, int8) for an SSD tree or a synchronous draft and ("verify", plan family)
