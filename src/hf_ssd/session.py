@@ -183,7 +183,7 @@ def run_session(
                 stats.controller_memory = controller.memory
                 stats.eager_call = True
             if pooled is None and worker is None and config.worker == "auto":
-                wanted = controller.process_option(first.chosen)
+                wanted = controller.process_option(first.chosen, horizon, pool.start_seconds())
             if plain_hand_off and first.plan.mode == "plain":
                 stats.mode, stats.worker = "plain", "inline"
                 for name in ("per_row_accepted", "per_row_rounds", "per_row_hits", "per_row_lookups"):
@@ -250,7 +250,8 @@ def _ask_for_process(draft, wanted, pooled, stats: SSDStats, chosen: Plan | None
     elif wanted is not None:
         what = pool.start(draft)
         stats.controller["process_worker"] = (
-            f"{wanted.plan.label} predicted {wanted.tokens_per_s:.2f} tok/s, clearly faster than "
+            f"{wanted.plan.label} predicted {wanted.call_tokens_per_s:.2f} tok/s over this call with its share of "
+            f"the process's start ({wanted.parts.get('process_start', 0.0):.2f} s), clearly faster than "
             f"{chosen.label if chosen is not None else 'the chosen plan'}: kept draft process {what}")
 
 

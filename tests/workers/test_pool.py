@@ -10,6 +10,7 @@ import torch
 from hf_ssd.control import controller as ctl_mod
 from hf_ssd.control import drafter as drafter_mod
 from hf_ssd.control.controller import Controller
+from hf_ssd.control.decision import Horizon
 from hf_ssd.control.memory import Memory
 from hf_ssd.control.costs import Costs, Curve
 from hf_ssd.control.plan import Plan, Prediction
@@ -66,11 +67,27 @@ def test_a_process_is_asked_for_only_where_it_pays():
     assert c.process_option(c.decide().plan) is None
 
 
+def test_a_process_start_is_charged_until_the_setting_has_run_long_enough_to_repay_it():
+    """With the call's horizon, the process plans pay the call's share of the process's start (spread over what
+    the setting has generated, with this call): a start of 6 s is not repaid by one 64-token call, but is once
+    the setting has generated enough; without a start cost the call-level verdict matches the per-round one."""
+    c = Controller(costs(0.0), Memory(), 1, {}, fixed_alpha=0.9)
+    chosen, horizon = c.decide().plan, Horizon(64, 32)
+    assert c.process_option(chosen, horizon, start_s=0.0) is not None
+    early = c.process_option(chosen, horizon, start_s=60.0)
+    assert early is None
+    c.memory.generated = 1e6  # a long-running program: the start's share of this call is small
+    late = c.process_option(chosen, horizon, start_s=60.0)
+    assert late is not None and late.plan.worker == "process"
+    assert 0 < late.parts["process_start"] < 0.01 and late.call_tokens_per_s < late.tokens_per_s
+
+
 def test_generation_asks_for_a_kept_process_when_it_ends(monkeypatch):
     started = []
     monkeypatch.setattr(pool, "start", lambda draft: started.append(draft) or "starting (test)")
     monkeypatch.setattr(ctl_mod.Controller, "process_option",
-                        lambda self, chosen: Prediction(Plan("ssd", 3, 6, "process"), 12.0, 0.1))
+                        lambda self, chosen, horizon=None, start_s=0.0: Prediction(Plan("ssd", 3, 6, "process"), 12.0,
+                                                                                   0.1))
     p = get_pair("llama")
     ids = prompt(6, seed=11)
     out = p.target.generate(ids, assistant_model=p.related, ssd=True, max_new_tokens=12, do_sample=False,

@@ -310,13 +310,7 @@ class Controller:
                 full: bool) -> Decision:
         if horizon is not None:
             for pred in preds:
-                pred.horizon = horizon.tokens * self.batch
-                if pred.plan != current:
-                    compiling = self.compile_s(pred.plan, horizon, in_loop=current is not None)
-                    restart = 0.0 if retunable(current, pred.plan) else self.startup_s(pred.plan, horizon.context)
-                    pred.startup_s = restart + compiling
-                    if compiling > 0:
-                        pred.parts = {**pred.parts, "compile": compiling}
+                self._price_call(pred, horizon, current)
         ran = self._families_ran()
         if current is not None and still_exploring(self, current):
             return Decision(current, f"keeping {current.label}: exploring it, until its own rounds price it",
@@ -354,6 +348,18 @@ class Controller:
                                          f"the {SWITCH_GAIN:.2f}x needed to switch", preds[:6], drafting)
         return Decision(best.plan, self.explain(best, preds), preds[:6], drafting)
 
+    def _price_call(self, pred: Prediction, horizon: Horizon, current: Plan | None) -> None:
+        """Give `pred` what is left of the call (`horizon`) and, unless it is the running plan (`current`), what
+        switching to it costs out of that call: its drafter's start and its share of the compiles it needs."""
+        pred.horizon = horizon.tokens * self.batch
+        if pred.plan == current:
+            return
+        compiling = self.compile_s(pred.plan, horizon, in_loop=current is not None)
+        restart = 0.0 if retunable(current, pred.plan) else self.startup_s(pred.plan, horizon.context)
+        pred.startup_s = restart + compiling
+        if compiling > 0:
+            pred.parts = {**pred.parts, "compile": compiling}
+
     def measured(self, plan: Plan) -> bool:
         ema = self.memory.round_s.get(plan)
         return ema is not None and ema.n >= MIN_ROUNDS
@@ -385,18 +391,39 @@ class Controller:
                                  f"({hopeful.tokens_per_s:.2f} against plain's {plain.call_tokens_per_s:.2f} tok/s)",
                         preds[:6], drafting)
 
-    def process_option(self, chosen: Plan) -> Prediction | None:
+    def process_option(self, chosen: Plan, horizon: Horizon | None = None, start_s: float = 0.0
+                       ) -> Prediction | None:
         """The best process-worker plan when none is up yet, if it is predicted at least SWITCH_GAIN times faster
-        than `chosen`: worth starting a kept process for (workers.pool). None when the options fix the worker."""
+        than `chosen`: worth starting a kept process for (workers.pool). None when the options fix the worker.
+
+        horizon: price both as a call's start does (each pays its drafter's start and its compiles out of the
+        call), and charge the process plans the call's share of the process's own start, `start_s` seconds spread
+        over what this setting has generated so far, like a compile (control.compiled.compile_share): a process
+        is started once calls here have shown they run long enough to repay it. Priced per round alone and free
+        to start, a process was asked for on the overhead workload where its plans, once tried, were priced at
+        0.73x the compiled plain decoding every call then ran, and its start slowed the plain steps around it
+        (20 -> 27 ms)."""
         if "worker" in self.allowed or any(p.worker == "process" for p in self.plans):
             return None
         plans = [p for p in candidates(self.costs, **self.search, workers=("process",))
                  if p.worker == "process" and self._permitted(p)]
         if not plans:
             return None
-        best = max((self.predict(p) for p in plans), key=lambda x: x.tokens_per_s)
-        now = self.predict(chosen)
-        return best if best.tokens_per_s >= now.tokens_per_s * SWITCH_GAIN else None
+        self._memo = {}
+        try:
+            preds = [self.predict(p, aged=True) for p in plans]
+            now = self.predict(chosen, aged=True)
+            if horizon is not None:
+                share = compile_share(start_s, horizon.tokens, self.memory.generated)
+                for pred in (*preds, now):
+                    self._price_call(pred, horizon, None)
+                for pred in preds:
+                    pred.startup_s += share
+                    pred.parts = {**pred.parts, "process_start": share}
+        finally:
+            self._memo = None
+        best = max(preds, key=lambda x: x.call_tokens_per_s)
+        return best if best.call_tokens_per_s >= now.call_tokens_per_s * SWITCH_GAIN else None
 
     def explain(self, best: Prediction, preds: list[Prediction]) -> str:
         acc = self.acceptance(best.plan.int8)

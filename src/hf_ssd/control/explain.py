@@ -52,6 +52,7 @@ def diagnose(costs: Costs, controller: Controller, K: int = 4) -> list[str]:
     process = controller.process_option(decision.chosen)
     if process is not None:
         lines.append(f"A kept draft process would do better: {process.plan.label} is predicted "
-                     f"{process.tokens_per_s:.2f} tok/s. generate(..., ssd=True) starts one after its first call "
-                     "(unless HF_SSD_AUTO_PROCESS=0 or the main script runs code at import).")
+                     f"{process.tokens_per_s:.2f} tok/s. generate(..., ssd=True) starts one once its calls here have "
+                     "run long enough to repay the start (unless HF_SSD_AUTO_PROCESS=0 or the main script runs code "
+                     "at import).")
     return lines

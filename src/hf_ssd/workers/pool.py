@@ -2,9 +2,10 @@
 process of its own (no GIL shared with the target) without paying seconds of start-up in every generate() call.
 
 The controller asks for one when it predicts that a process worker would beat the plan it chose by a clear margin
-(`Controller.process_option`). The process is started when that generation ends (the draft's weights move to shared
-memory then, while nothing runs them), in the background; later generate() calls with the same draft model use it
-once it is ready, and the controller times it like any other plan. It is never started:
+over the call, the call's share of the process's start included (`Controller.process_option`). The process is
+started when that generation ends (the draft's weights move to shared memory then, while nothing runs them), in
+the background; later generate() calls with the same draft model use it once it is ready, and the controller times
+it like any other plan. It is never started:
 - when the environment sets HF_SSD_AUTO_PROCESS=0, or inside a process that multiprocessing started;
 - when the main script runs code at import time outside `if __name__ == "__main__":`: the "spawn" start method
   imports that script again in the child, which would run that code a second time.
@@ -18,6 +19,7 @@ import multiprocessing
 import os
 import sys
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -25,6 +27,10 @@ from hf_ssd.runtime.kv import input_device
 from hf_ssd.workers.process import DraftProcess
 
 ENV = "HF_SSD_AUTO_PROCESS"
+# Seconds a kept process takes to start (spawn, the child's imports, the draft's weights), until this program has
+# timed one: 4-5 s on the project's idle 2-core CPU, more while it generates. The controller charges a share of it
+# to the calls that would ask for one (Controller.process_option).
+START_PRIOR_S = 6.0
 
 
 class _Kept:
@@ -43,10 +49,17 @@ class _Kept:
         self.thread.start()
 
     def _start(self, draft) -> None:
+        began = time.perf_counter()
         try:
             self.process = DraftProcess(draft)
         except Exception as exc:  # noqa: BLE001 - reported in ssd_stats; generation goes on in-process
             self.error = f"{type(exc).__name__}: {exc}"
+        else:
+            global _START_S
+            _START_S = time.perf_counter() - began
+
+
+_START_S: float | None = None  # how long the last kept process took to start, once one has
 
 
 _KEPT: dict[int, _Kept] = {}
@@ -72,6 +85,11 @@ def status(draft) -> str | None:
     if kept.error is not None:
         return f"failed: {kept.error}"
     return "ready" if kept.process is not None else "starting"
+
+
+def start_seconds() -> float:
+    """What starting a kept process costs here: the last start's seconds, else START_PRIOR_S."""
+    return START_PRIOR_S if _START_S is None else _START_S
 
 
 def starting() -> bool:
