@@ -344,8 +344,15 @@ class StaticCachedModel:
 
 
 def _what_failed(message: str) -> str:
-    """A compile error's first line, with dynamo's context line (which call it could not trace, with what) where
-    it gives one: "Failed to convert args/kwargs to proxy" alone does not say what to look at."""
+    """A compile error's first line, with dynamo's debug context (which call it could not trace, with what) and the
+    innermost line of our code it was tracing, where it gives them: "Failed to convert args/kwargs to proxy" alone
+    does not say what to look at."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
-    context = next((line for line in lines[1:] if line.lower().startswith(("context:", "call_function"))), None)
-    return "; ".join(x[:300] for x in (lines[:1] + ([context] if context else [])))
+    context = next((line for line in lines[1:] if "context:" in line.lower()), None)
+    frames = [i for i, line in enumerate(lines) if i > 0 and line.startswith('File "')]
+    frame = None
+    if frames:  # the innermost frame, with its source line where dynamo printed one
+        i = frames[-1]
+        source = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("Set ") else ""
+        frame = f"{lines[i]}: {source}" if source else lines[i]
+    return "; ".join(x[:300] for x in lines[:1] + [x for x in (context, frame) if x])
