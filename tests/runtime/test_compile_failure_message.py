@@ -19,6 +19,7 @@ def test_a_graph_break_is_reported_with_its_context_and_our_line():
     torch._dynamo.reset()
     said = _what_failed(message)
     assert said.startswith(message.strip().splitlines()[0])
+    assert "context:" in message or 'File "' in message, "dynamo no longer says what or where: update _what_failed"
     if "context:" in message:  # torch versions that give dynamo's debug context
         assert "Generator" in said
     if 'File "' in message:
