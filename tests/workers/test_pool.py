@@ -69,7 +69,7 @@ def test_a_process_is_asked_for_only_where_it_pays():
 
 def test_a_process_start_is_charged_until_the_setting_has_run_long_enough_to_repay_it():
     """With the call's horizon, the process plans pay the call's share of the process's start (spread over what
-    the setting has generated, with this call): a start of 6 s is not repaid by one 64-token call, but is once
+    the setting has generated, with this call): a start of 60 s is not repaid by one 64-token call, but is once
     the setting has generated enough; without a start cost the call-level verdict matches the per-round one."""
     c = Controller(costs(0.0), Memory(), 1, {}, fixed_alpha=0.9)
     chosen, horizon = c.decide().plan, Horizon(64, 32)
