@@ -21,6 +21,7 @@ from hf_ssd.control.costs import Costs
 from hf_ssd.control.decision import Decision, Horizon, family, retunable, simpler
 from hf_ssd.control.exploration import (alpha_exploration, family_exploration, second_look, still_exploring,
                                         untried_score)
+from hf_ssd.control.gc_quiet import collections_paused
 from hf_ssd.control.learned_line import LearnedLine, measured_parts, tree_forwards
 from hf_ssd.control.memory import Memory, Tally, Yield
 from hf_ssd.control.plan import (MAX_K, Acceptance, Plan, Prediction, Served, candidates, modelled_hit_rate, predict,
@@ -298,12 +299,11 @@ class Controller:
         plans = self.plans if full else shortlist.restrict(self.plans, current)
         self._memo = {}
         try:
-            preds = [self.predict(p, aged=current is None, in_loop=current is not None) for p in plans]
+            with collections_paused():  # its thousands of temporaries would set off collections (gc_quiet)
+                preds = [self.predict(p, aged=current is None, in_loop=current is not None) for p in plans]
+                return self._decide(preds, current, horizon, full)
         finally:
             self._memo = None
-        try:
-            return self._decide(preds, current, horizon, full)
-        finally:
             self.memory.decide_s = time.perf_counter() - began
 
     def _decide(self, preds: list[Prediction], current: Plan | None, horizon: Horizon | None,
@@ -409,20 +409,29 @@ class Controller:
                  if p.worker == "process" and self._permitted(p)]
         if not plans:
             return None
+        # each call asks: between full evaluations only a shortlist, as decisions do (a full one took 11 ms of the
+        # call's first token on the overhead workload)
+        listed, key = self.memory.process_shortlist, candidates_key(plans)
+        full = listed is None or not listed.usable(key)
+        plans = plans if full else listed.restrict(plans, None)
         self._memo = {}
         try:
-            preds = [self.predict(p, aged=True) for p in plans]
-            now = self.predict(chosen, aged=True)
-            if horizon is not None:
-                share = compile_share(start_s, horizon.tokens, self.memory.generated)
-                for pred in (*preds, now):
-                    self._price_call(pred, horizon, None)
-                for pred in preds:
-                    pred.startup_s += share
-                    pred.parts = {**pred.parts, "process_start": share}
+            with collections_paused():
+                preds = [self.predict(p, aged=True) for p in plans]
+                now = self.predict(chosen, aged=True)
+                if horizon is not None:
+                    share = compile_share(start_s, horizon.tokens, self.memory.generated)
+                    for pred in (*preds, now):
+                        self._price_call(pred, horizon, None)
+                    for pred in preds:
+                        pred.startup_s += share
+                        pred.parts = {**pred.parts, "process_start": share}
         finally:
             self._memo = None
-        best = max(preds, key=lambda x: x.call_tokens_per_s)
+        preds.sort(key=lambda x: -x.call_tokens_per_s)
+        if full:
+            self.memory.process_shortlist = make_shortlist(preds, key, family)
+        best = preds[0]
         return best if best.call_tokens_per_s >= now.call_tokens_per_s * SWITCH_GAIN else None
 
     def explain(self, best: Prediction, preds: list[Prediction]) -> str:

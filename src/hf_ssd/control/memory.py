@@ -264,6 +264,7 @@ class Memory:
     # and ran synchronous SD, 0.8x as fast, from then on
     cold: set = field(default_factory=set)
     shortlist: Shortlist | None = None  # the plans decisions predict between full evaluations (control.shortlist)
+    process_shortlist: Shortlist | None = None  # ... and the process plans Controller.process_option predicts
     decide_s: float = 0.0  # what the last decision took (ControlledDrafter spaces its decisions by it)
 
     def record_round(self, plan: Plan, seconds: float, tokens: float | None = None, count: int = 1,
