@@ -642,6 +642,7 @@ def switching(monkeypatch):
     monkeypatch.setattr(ctl_mod.Controller, "decide", decide)
     monkeypatch.setattr(drafter_mod, "CONFIRMATIONS", 1)
     monkeypatch.setattr(drafter_mod, "DECIDE_EVERY", 4)
+    monkeypatch.setattr(drafter_mod.ControlledDrafter, "_switch_could_pay", lambda self, verdict: True)  # to the end
     # deciding's own measured time must not space decisions out (one stall in the fake decide skipped the rest)
     monkeypatch.setattr(drafter_mod, "DECIDE_SHARE", 1e9)
 
@@ -714,6 +715,8 @@ def test_changing_only_k_keeps_the_drafts_cache(monkeypatch, static):
     monkeypatch.setattr(drafter_mod, "DECIDE_EVERY", 1)
     monkeypatch.setattr(drafter_mod, "DECIDE_SHARE", 1e9)  # every round decides, however long deciding takes
     monkeypatch.setattr(drafter_mod, "CONFIRMATIONS", 1)
+    # to the call's last round: the K it ends on then drafts no further than the call's length
+    monkeypatch.setattr(drafter_mod.ControlledDrafter, "_switch_could_pay", lambda self, verdict: True)
     pair = get_pair("llama")
     ids, mask = left_pad([prompt(7, seed=5)[0], prompt(3, seed=6)[0]])
     ref = plain_generate(pair.target, ids, attention_mask=mask, max_new_tokens=50)
@@ -1084,6 +1087,31 @@ def test_decisions_take_a_bounded_share_of_the_rounds():
     assert not decision_due(DECIDE_EVERY, 0.9 * decide_s / DECIDE_SHARE, decide_s)  # 8 rounds of 9 ms: too soon
     assert decision_due(DECIDE_EVERY, 1.1 * decide_s / DECIDE_SHARE, decide_s)
     assert not decision_due(1, DECIDE_PERIOD_S, DECIDE_PERIOD_S)  # a decision as slow as the rounds: not yet
+
+
+def test_no_decision_where_too_little_of_the_call_is_left_for_a_switch():
+    """A switch takes CONFIRMATIONS decisions in a row, spaced as the rounds since the last one, and rounds after
+    it to repay its restart: with fewer rounds left than that, no decision is made (it would only cost its time)."""
+    from types import SimpleNamespace
+
+    from hf_ssd.control.drafter import CONFIRMATIONS, ControlledDrafter
+
+    assert CONFIRMATIONS == 2
+
+    def could_pay(context: int, rounds: int, pending: int, max_length: int | None = 200) -> bool:
+        # 2 tokens a round so far, the last decision at round 0
+        fake = SimpleNamespace(max_length=max_length, rounds=rounds, decided_at=0, pending=[None] * pending,
+                               tokens=2.0 * (rounds - 1))
+        verdict = SimpleNamespace(contexts=[torch.zeros(context), torch.zeros(context - 5)])
+        return ControlledDrafter._switch_could_pay(fake, verdict)
+
+    # 10 rounds since the last decision: the first of two decisions needs 20 rounds left, i.e. 40 tokens
+    assert could_pay(context=160, rounds=10, pending=0)
+    assert not could_pay(context=161, rounds=10, pending=0)
+    assert could_pay(context=170, rounds=10, pending=1)  # the confirming decision: 10 rounds left suffice
+    assert not could_pay(context=182, rounds=10, pending=1)
+    assert could_pay(context=199, rounds=10, pending=0, max_length=None)  # the call's length unknown: decide
+    assert could_pay(context=199, rounds=1, pending=0)  # nothing measured yet
 
 
 def test_a_switch_to_uncompiled_shapes_pays_for_their_compiles(monkeypatch):

@@ -314,6 +314,7 @@ def rotating_controller_run(models, monkeypatch, plans: list, seed: int):
     monkeypatch.setattr(drafter_mod, "DECIDE_EVERY", 1)
     monkeypatch.setattr(drafter_mod, "DECIDE_SHARE", 1e9)  # every round decides, however long deciding took
     monkeypatch.setattr(drafter_mod, "CONFIRMATIONS", 1)
+    monkeypatch.setattr(drafter_mod.ControlledDrafter, "_switch_could_pay", lambda self, verdict: True)  # to the end
     target, draft = models
     counts, s = run_ssd(target, draft, [PROMPT_A], seed=seed, warp=dict(temperature=0.9), ssd_budget=None)
     return p_value([(counts[0], exact_distribution(target, PROMPT_A, warpers(temperature=0.9)))]), s, seen

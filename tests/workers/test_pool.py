@@ -109,6 +109,7 @@ def test_kept_process_serves_the_controllers_plans_exactly(monkeypatch):
 
     monkeypatch.setattr(ctl_mod.Controller, "decide", decide)
     monkeypatch.setattr(drafter_mod, "CONFIRMATIONS", 1)  # each rotation switches at once
+    monkeypatch.setattr(drafter_mod.ControlledDrafter, "_switch_could_pay", lambda self, verdict: True)  # to the end
     monkeypatch.setattr(drafter_mod, "DECIDE_SHARE", 1e9)  # however long deciding took
     monkeypatch.setenv(pool.ENV, "1")
     p = get_pair("llama")

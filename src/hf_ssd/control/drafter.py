@@ -69,6 +69,7 @@ class ControlledDrafter(Drafter):
         self.compiled_last_round = False
         self.round_recorded = False  # did _observe record this round's time (then resolve records its draft work)
         self.unrecorded: tuple | None = None  # the last resolve's (plan, draft s, step s, (hits, lookups))
+        self.tokens = 0.0  # committed per row of the call's batch, in the rounds resolved so far
 
     def _build(self, plan: Plan) -> Drafter:
         """The plan's drafter, its fan-out starting from the α measured so far (pooled over calls, then this call's):
@@ -125,14 +126,15 @@ class ControlledDrafter(Drafter):
         # under torch.distributed every rank must decide in the same rounds (a decision is a collective): by round
         # count only, since the ranks' clocks differ
         seconds_since, decide_s = (0.0, 0.0) if distributed() else (now - self.last_decision, self.decide_s)
-        deciding = decision_due(self.rounds - self.decided_at, seconds_since, decide_s)
+        deciding = (decision_due(self.rounds - self.decided_at, seconds_since, decide_s)
+                    and self._switch_could_pay(verdict))
         compiles = self._compiles()
         # Where no decision is due, a drafter elsewhere (a draft process) starts on the outcome first: the round's
         # bookkeeping below then overlaps its lookup instead of delaying it (0.5 ms a round at batch 1).
         if not deciding:
             self.current.send(verdict)
         self._record_resolve()
-        self._observe(verdict, now)
+        self.tokens += self._observe(verdict, now)
         self._learn_guessability()
         if deciding:
             self.decided_at = self.rounds
@@ -151,6 +153,17 @@ class ControlledDrafter(Drafter):
         lookups = None if result.hits is None else (float(result.hits.sum()), result.hits.numel())
         self.unrecorded = (self.plan, draft_s, step_s, lookups)
         return result
+
+    def _switch_could_pay(self, verdict: Verdict) -> bool:
+        """Is enough of the call left for a decision now to matter? A switch takes CONFIRMATIONS decisions in a row,
+        each as far from the last as this one, and then needs rounds to repay its restart: with fewer rounds left
+        than that, a decision only costs its time (2-3 ms on the project's CPU against compiled rounds of 8 ms; a
+        64-token call of the overhead workload made one mid-call decision, and could not have switched on it)."""
+        resolved = self.rounds - 1  # this round's tokens are observed after the check
+        if self.max_length is None or not verdict.contexts or resolved <= 0 or self.tokens <= 0:
+            return True
+        rounds_left = (self.max_length - max(c.shape[0] for c in verdict.contexts)) / (self.tokens / resolved)
+        return rounds_left >= (self.rounds - self.decided_at) * (CONFIRMATIONS - len(self.pending))
 
     def _record_resolve(self) -> None:
         """The last resolve's draft work and cache lookups, to the controller."""
@@ -185,9 +198,10 @@ class ControlledDrafter(Drafter):
         lately, self.compiled_last_round = now or self.compiled_last_round, now
         return lately
 
-    def _observe(self, verdict: Verdict, now: float) -> None:
+    def _observe(self, verdict: Verdict, now: float) -> float:
         """Acceptance from this round's outcome; the plan's round time from one resolve's start to the next's, and
-        its tokens per round, from rounds in which every row of the call was still decoding."""
+        its tokens per round, from rounds in which every row of the call was still decoding. Returns the round's
+        committed tokens per row of the call."""
         # as Python lists: a round's few rows cost less so than a dozen tiny tensor ops (0.3 ms a round at batch 1)
         k = verdict.outcome.accepted.tolist()
         n = self.spec.n.tolist()
@@ -220,6 +234,7 @@ class ControlledDrafter(Drafter):
                 if verdict.verify_s > 0:
                     self.controller.record_verify(self.plan, verdict.verify_s)
         self.last_start = now
+        return tokens
 
     def _learn_guessability(self) -> None:
         """The bonus ranks an SSD drafter counted since the last round (stats.bonus_ranks) go to the controller's
