@@ -463,6 +463,36 @@ def test_a_plan_one_cold_call_measured_gets_a_second_look(cold):
     assert ctl.decide().plan == plain  # looked at twice, slower both times: not again
 
 
+def test_a_plan_whose_price_went_stale_gets_another_look():
+    """A plan measured over several calls, then not chosen for STALE_LOOK_ROUNDS rounds while another ran (a slow
+    spell priced it; the machine's speed drifts), runs one more call if it is predicted within SECOND_LOOK_WITHIN
+    of the choice; that call's rounds then price it. Not again until its price is that old once more."""
+    from hf_ssd.control.exploration import STALE_LOOK_ROUNDS
+
+    ctl = controller(costs(draft=(0.05, 0.001)), alpha=0.5, allowed={"mode": ("plain", "sync"), "K": (2,)})
+    plain, sync = Plan("plain"), Plan("sync", 2)
+    fast = ctl.predict(sync).tokens_per_round / (1.2 * ctl.predict(plain).tokens_per_s)  # sync, really: 1.2x plain
+    for _ in range(3):  # three calls in a slow spell: 0.8x plain
+        ctl.memory.record_round(sync, 1.5 * fast, count=8)
+        ctl.memory.end_call()
+    rounds = 0
+    while rounds < STALE_LOOK_ROUNDS:  # plain runs; sync is not looked at until its price is that old
+        ctl.memory.record_round(plain, ctl.model(plain).round_s, count=8)
+        ctl.memory.end_call()
+        rounds += 8
+        decision = ctl.decide()
+        assert decision.plan == (sync if rounds >= STALE_LOOK_ROUNDS else plain), rounds
+    assert "rounds old" in decision.reason and ctl.memory.round_s[sync].calls == []
+    ctl.memory.record_round(sync, fast, count=8)  # the machine is fast again
+    ctl.memory.end_call()
+    assert ctl.decide().plan == sync and "second look" not in ctl.decide().reason
+    # and one in a slow spell, looked at again, is left once it measures slow again
+    for _ in range(3):
+        ctl.memory.record_round(sync, 1.5 * fast, count=8)
+        ctl.memory.end_call()
+    assert ctl.decide().plan == plain
+
+
 def test_a_call_that_compiled_a_plans_graphs_does_not_price_it():
     """The plan's looked-at call compiled its graphs again (a new cache size): that call's rounds ran beside the
     compiler, so its mean is dropped and the plan may have another look; the warm call after it prices it."""

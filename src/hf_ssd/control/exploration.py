@@ -60,6 +60,13 @@ SECOND_LOOK_WITHIN = 0.70
 # ... and the call keeps it for this many rounds before a mid-call decision may leave it (its first call's price
 # would otherwise send it back at the first decision)
 SECOND_LOOK_ROUNDS = 16
+# A machine's speed drifts by tens of percent over minutes (the same compiled loop ran 0.77-1.21x its median call
+# to call here), and a plan that is not chosen is not measured: its price is of the moment it last ran, while the
+# running plan's follows the machine. A plan priced within SECOND_LOOK_WITHIN of the choice whose last measurement
+# is this many rounds old (all plans together) gets another look too, once per that many rounds: on the overhead
+# workload at α ≈ 0.7 compiled sync SD, priced at 11.6 ms a round from the warm-up, was never run again in 18
+# calls, while the hand-picked sync row ran 7.3 ms rounds and `ssd=True` ran an SSD plan at 0.82x of it.
+STALE_LOOK_ROUNDS = 256
 
 
 def untried_score(ctl: Controller, pred: Prediction, ran: set[str]) -> float:
@@ -104,8 +111,9 @@ def _explore(ctl: Controller, pred: Prediction, best: Prediction, preds: list[Pr
 
 def second_look(ctl: Controller, preds: list[Prediction], best: Prediction) -> Decision | None:
     """The fastest plan other than `best` that at most one call has measured (calls that compiled its graphs do not
-    count: Memory.cold), where it is predicted within SECOND_LOOK_WITHIN of `best` and needs nothing compiled; once
-    per plan, and once more after a call that compiled its graphs. Its first call's mean is dropped, so the second
+    count: Memory.cold), or whose last measurement is STALE_LOOK_ROUNDS old, where it is predicted within
+    SECOND_LOOK_WITHIN of `best` and needs nothing compiled; once per plan, once more after a call that compiled
+    its graphs, and once each time its price goes stale. Its earlier calls' means are dropped, so the looked-at
     call's rounds price it (a call-start price is the median of the last calls' means).
 
     Only where `best` has been measured itself: an untried best is measured by running it, and a second look
@@ -117,15 +125,18 @@ def second_look(ctl: Controller, preds: list[Prediction], best: Prediction) -> D
         if pred.call_tokens_per_s < SECOND_LOOK_WITHIN * best.call_tokens_per_s:
             return None
         ema = ctl.memory.round_s.get(pred.plan)
-        if pred is best or pred.plan in ctl.memory.second_looks or ema is None or not ctl.measured(pred.plan):
+        if pred is best or ema is None or not ctl.measured(pred.plan) or pred.parts.get("compile", 0.0) > 0:
             continue
-        if len(ema.calls) > 1 or ema.call_n or pred.parts.get("compile", 0.0) > 0:
+        age = ctl.memory.age(pred.plan)
+        stale = age >= STALE_LOOK_ROUNDS
+        if not stale and (pred.plan in ctl.memory.second_looks or len(ema.calls) > 1 or ema.call_n):
             continue
         ctl.memory.second_looks.add(pred.plan)
         ema.forget_calls()
-        return _explore(ctl, pred, best, preds, f"a second look at {pred.plan.label}: one call measured it "
-                        f"({pred.call_tokens_per_s:.2f} tok/s, within {1 - SECOND_LOOK_WITHIN:.0%} of the "
-                        "choice), and a plan's first call is its coldest")
+        why = (f"its price is {age} rounds old, and the machine's speed drifts" if stale
+               else "one call measured it, and a plan's first call is its coldest")
+        return _explore(ctl, pred, best, preds, f"a second look at {pred.plan.label} ({pred.call_tokens_per_s:.2f} "
+                        f"tok/s, within {1 - SECOND_LOOK_WITHIN:.0%} of the choice): {why}")
     return None
 
 
