@@ -285,6 +285,7 @@ class Controller:
         return pred
 
     # ---- choosing ---------------------------------------------------------------------------------------------
+    @collections_paused()  # its thousands of temporaries would set off collections (control/gc_quiet.py)
     def decide(self, current: Plan | None = None, horizon: Horizon | None = None) -> Decision:
         """The plan to run: at the start of a call (current None), with old measurements aged, so a plan measured
         in a slow spell gets re-checked now and then at no switching cost; mid-generation (current: the running
@@ -299,9 +300,8 @@ class Controller:
         plans = self.plans if full else shortlist.restrict(self.plans, current)
         self._memo = {}
         try:
-            with collections_paused():  # its thousands of temporaries would set off collections (gc_quiet)
-                preds = [self.predict(p, aged=current is None, in_loop=current is not None) for p in plans]
-                return self._decide(preds, current, horizon, full)
+            preds = [self.predict(p, aged=current is None, in_loop=current is not None) for p in plans]
+            return self._decide(preds, current, horizon, full)
         finally:
             self._memo = None
             self.memory.decide_s = time.perf_counter() - began
@@ -391,6 +391,7 @@ class Controller:
                                  f"({hopeful.tokens_per_s:.2f} against plain's {plain.call_tokens_per_s:.2f} tok/s)",
                         preds[:6], drafting)
 
+    @collections_paused()
     def process_option(self, chosen: Plan, horizon: Horizon | None = None, start_s: float = 0.0
                        ) -> Prediction | None:
         """The best process-worker plan when none is up yet, if it is predicted at least SWITCH_GAIN times faster
@@ -416,16 +417,15 @@ class Controller:
         plans = plans if full else listed.restrict(plans, None)
         self._memo = {}
         try:
-            with collections_paused():
-                preds = [self.predict(p, aged=True) for p in plans]
-                now = self.predict(chosen, aged=True)
-                if horizon is not None:
-                    share = compile_share(start_s, horizon.tokens, self.memory.generated)
-                    for pred in (*preds, now):
-                        self._price_call(pred, horizon, None)
-                    for pred in preds:
-                        pred.startup_s += share
-                        pred.parts = {**pred.parts, "process_start": share}
+            preds = [self.predict(p, aged=True) for p in plans]
+            now = self.predict(chosen, aged=True)
+            if horizon is not None:
+                share = compile_share(start_s, horizon.tokens, self.memory.generated)
+                for pred in (*preds, now):
+                    self._price_call(pred, horizon, None)
+                for pred in preds:
+                    pred.startup_s += share
+                    pred.parts = {**pred.parts, "process_start": share}
         finally:
             self._memo = None
         preds.sort(key=lambda x: -x.call_tokens_per_s)
