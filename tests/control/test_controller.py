@@ -171,7 +171,7 @@ def test_only_rounds_of_the_whole_batch_price_a_plan():
     verifies, committed, observed = [], [], []
     controller = SimpleNamespace(batch=4, record_verify=lambda p, s: verifies.append(s),
                                  record_tokens=lambda p, tokens, served: committed.append(tokens),
-                                 observe_acceptance=lambda accepted, rejected, int8: observed.append(accepted))
+                                 observe_acceptance=lambda accepted, rejected, int8, rows: observed.append(accepted))
 
     def observe(accepted: list[int], plan: Plan, last_start: float, now: float) -> None:
         rows = len(accepted)
@@ -211,7 +211,7 @@ def test_rounds_that_compiled_are_not_the_plans_price():
 
     memory = Memory()
     controller = SimpleNamespace(batch=1, record_verify=lambda p, s: None, record_tokens=lambda p, tokens, served: None,
-                                 observe_acceptance=lambda accepted, rejected, int8: None)
+                                 observe_acceptance=lambda accepted, rejected, int8, rows: None)
     fake = SimpleNamespace(memory=memory, controller=controller, plan=Plan("sync", 2), last_start=0.0,
                            disturbed=lambda: False, stats=SSDStats(), compiled_last_round=False,
                            spec=Speculation(torch.zeros(1, 2, dtype=torch.long), torch.full((1,), 2), None, None))
@@ -966,7 +966,7 @@ def test_rows_the_ngram_backup_served_leave_alpha_alone():
 
     observed = []
     controller = SimpleNamespace(batch=3, record_verify=lambda p, s: None, record_tokens=lambda p, tokens, served: None,
-                                 observe_acceptance=lambda accepted, rejected, int8: observed.append(
+                                 observe_acceptance=lambda accepted, rejected, int8, rows: observed.append(
                                      (accepted, rejected, int8)))
     source = torch.tensor([SOURCE_CACHE, SOURCE_JIT, SOURCE_NGRAM])
     fake = SimpleNamespace(memory=Memory(), controller=controller, plan=Plan("ssd", 3, 8, "thread", int8=True),
@@ -1260,6 +1260,20 @@ def test_plain_on_an_unmeasured_alpha_is_explored_and_then_left_alone():
     assert controller(c, alpha=0.7).decide().plan == Plan("plain")  # a fixed α is known: no exploring
     useless = Controller(costs(draft=(0.3, 0.002), split=2.0), Memory(), 1, {}, prior=Acceptance(alpha=0.7))
     assert useless.decide().plan == Plan("plain")
+
+
+def test_each_drafting_row_of_a_batch_counts_towards_alpha_rests_on():
+    """A batch's rows are different prompts: a round of 16 drafting rows counts as 16 towards EXPLORE_ROUNDS (a
+    batch-16 setting explored a slow drafting plan in a timed call with α resting on 160 rows' drafts). A round in
+    which nothing drafted counts nothing."""
+    from hf_ssd.control.exploration import EXPLORE_ROUNDS
+
+    ctl = Controller(costs(batch=16), Memory(), 16, {})
+    ctl.observe_acceptance(0.0, 0.0, rows=16)
+    assert ctl.memory.alpha_rounds == 0
+    for _ in range(EXPLORE_ROUNDS // 16):
+        ctl.observe_acceptance(11.0, 5.0, rows=16)
+    assert ctl.memory.alpha_rounds == EXPLORE_ROUNDS
 
 
 def test_a_switch_to_plain_waits_for_rounds_that_rule_drafting_out(monkeypatch):

@@ -115,11 +115,14 @@ class Controller:
         r, c = fit if fit is not None else (self.prior.r, self.prior.top1_miss)
         return Acceptance(alpha=alpha, alpha_backup=None, r=r, top1_miss=c)
 
-    def observe_acceptance(self, accepted: float, rejected: float, int8: bool = False) -> None:
-        """A round's accepted drafts and rejections (rows that did not accept all they had), summed over rows, of
-        the draft at precision `int8`."""
-        # a round that drafted counts towards exploring (plain steps in our loop observe nothing)
-        self.memory.add_acceptance(accepted, rejected, rounds=int(accepted + rejected > 0), int8=int8)
+    def observe_acceptance(self, accepted: float, rejected: float, int8: bool = False, rows: int = 1) -> None:
+        """A round's accepted drafts and rejections (rows that did not accept all they had), summed over its `rows`
+        drafting rows, of the draft at precision `int8`."""
+        # each row that drafted counts towards exploring, as a round of its own: a batch's rows are different
+        # prompts, so a batch-16 round says more about α than one row's (counted as one round, a batch-16 setting
+        # explored the int8 draft at half speed in one of its five timed calls with α resting on 160 rows' drafts).
+        # Plain steps in our loop observe nothing.
+        self.memory.add_acceptance(accepted, rejected, rounds=rows if accepted + rejected > 0 else 0, int8=int8)
         self.call.setdefault(int8, Tally()).add(accepted, rejected)
 
     def model(self, plan: Plan) -> Prediction:

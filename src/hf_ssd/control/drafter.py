@@ -216,7 +216,7 @@ class ControlledDrafter(Drafter):
         # is the SSD mode's yield), and counted in α they made every drafting plan look worse than plain
         primary = [i for i in range(len(k)) if n[i] > 0 and (source is None or source[i] != SOURCE_NGRAM)]
         self.controller.observe_acceptance(float(sum(k[i] for i in primary)), float(sum(k[i] < n[i] for i in primary)),
-                                           int8=self.plan.int8)
+                                           int8=self.plan.int8, rows=len(primary))
         # Plain steps inside our round loop (a switch to plain mid-generation) are not the plain the controller
         # prices: a call that starts with plain runs transformers' own loop, measured there (record_plain), about
         # 1.6x faster per step at batch 16 on the overhead workload. Mixed in, they made plain look slow for good.

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from hf_ssd.control.controller import Controller
 
 # Plain decoding observes no acceptance: chosen on the prior α (or on a few unlucky rounds), it would be chosen
-# forever. Until α rests on this many drafting rounds, a call that would start plain runs the best drafting plan
+# forever. Until α rests on this many drafting rounds (a batch's rows each count as one), a call that would start plain runs the best drafting plan
 # instead, if that is predicted within EXPLORE_WITHIN of plain; its rounds measure α, and a mid-call decision
 # switches to plain where its rounds rule drafting out (controller.SWITCH_OPTIMISM).
 EXPLORE_ROUNDS = 32

@@ -224,7 +224,7 @@ class Memory:
     # weights at T = 0.7 with one weight scale per matrix (~0.02 less per channel), and pooled together, the int8
     # plans' rounds priced the fp32 draft too low
     tallies: dict[bool, Tally] = field(default_factory=dict)
-    alpha_rounds: int = 0  # drafting rounds that informed α: how much α rests on measurement, not the prior
+    alpha_rounds: int = 0  # drafting rounds (each row apart) that informed α: how much it rests on measurement
     guessability: Guessability = field(default_factory=Guessability)
     round_s: dict[Plan, Ema] = field(default_factory=dict)  # measured seconds per round, per plan that ran
     ssd_yield: Yield = field(default_factory=Yield)  # SSD's committed / modelled tokens per round
