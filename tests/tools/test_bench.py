@@ -411,3 +411,24 @@ def test_methods_are_timed_interleaved(monkeypatch):
     by = {r["method"]: r for r in report["results"]}
     assert by["sd"]["greedy_equal"] is True and by["sd"]["greedy_equal_runs"] == "6/6"
     assert by["ssd:auto"]["greedy_equal"] is True and by["plain"]["repeats"] == 3
+
+
+def test_compiled_auto_is_warmed_up_through_the_controllers_free_compiling_calls():
+    """`ssd=True` with compile compiles whatever plan its first COMPILE_FREE_CALLS calls of a setting try: those are
+    its warm-up, so the bench leaves them all untimed, also with one prompt batch (batch 16 had left one timed)."""
+    from types import SimpleNamespace
+
+    from hf_ssd.control.compiled import COMPILE_FREE_CALLS
+    from hf_ssd.tools.bench.interleave import _warm_up
+
+    def warm_calls(kind: str, compiled: bool) -> int:
+        calls = []
+        m = SimpleNamespace(kind=kind, compiled=compiled, engine_compiled=compiled)
+        cfg = BenchConfig(tiny=True, warmup=1, max_new_tokens=8)
+        _warm_up(m, ["only batch"], lambda batch, max_new_tokens=None: calls.append(batch), cfg, object(),
+                 SimpleNamespace(update=lambda: None))
+        return len(calls)
+
+    assert warm_calls("auto", True) == COMPILE_FREE_CALLS
+    assert warm_calls("auto", False) < COMPILE_FREE_CALLS  # eager: nothing compiles in its calls
+    assert warm_calls("ssd", True) < COMPILE_FREE_CALLS  # a fixed plan is warm once its graphs are built
