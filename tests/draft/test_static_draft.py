@@ -381,11 +381,21 @@ def test_compiled_identity_no_breaks_no_recompiles(arch, B, dynamo):
     assert info["compile_s"] > 0 or graphs == 0
 
 
-def test_every_width_compiles_before_the_first_round(dynamo):
+def test_every_width_compiles_before_the_first_round(dynamo, monkeypatch):
     """Which widths a generation meets can depend on timing (the "auto" backup picks the JIT's single steps from
     measured costs): all hot widths compile before the prompt, so a later generation that first takes another path
-    builds no graph mid-round."""
+    builds no graph mid-round. Each tree's compiled forwards are timed by width (control.tree_cost prices trees off
+    them)."""
     counters = dynamo
+    from hf_ssd.draft.static_saguaro import StaticSaguaroDrafter
+
+    timed, begin = [], StaticSaguaroDrafter.begin
+
+    def spy(self, spec):
+        begin(self, spec)
+        timed.append(self.stats.draft_forward_s)
+
+    monkeypatch.setattr(StaticSaguaroDrafter, "begin", spy)
     p = get_pair("llama")
     static_registry.clear(p.related)  # no graphs from earlier tests
     ids, mask = left_pad([prompt(7, seed=31)[0]])
@@ -401,6 +411,9 @@ def test_every_width_compiles_before_the_first_round(dynamo):
                        **STATIC)  # the JIT backup: single steps after each miss
     assert torch.equal(out.sequences, ref) and out.ssd_stats["draft_compile_s"] == 0.0
     assert counters["stats"]["unique_graphs"] == graphs
+    last = timed[-out.ssd_stats["rounds"]:]  # this generation's trees: compiled, none compiling
+    assert last and all(t is not None and sum(c for _, c in t.values()) == K + 1 for t in last)
+    assert all(width in (K + 1, BUDGET) and s > 0 for t in last for width, (s, _) in t.items())
 
 
 def test_a_shorter_generation_reuses_a_larger_free_entry(dynamo):

@@ -27,6 +27,7 @@ from hf_ssd.control.memory import Memory, Tally, Yield
 from hf_ssd.control.plan import (MAX_K, Acceptance, Plan, Prediction, Served, candidates, modelled_hit_rate, predict,
                                  verify_s)
 from hf_ssd.control.shortlist import candidates_key, make_shortlist
+from hf_ssd.control.tree_cost import TreeCost
 from hf_ssd.core.speed_model import expected_tokens_per_round
 from hf_ssd.runtime import static_registry
 
@@ -156,12 +157,16 @@ class Controller:
                                                                       self.batch).parts,
                               self.draft_compiled, self.plain_compiled, ratio)
 
-    def record_draft(self, plan: Plan, seconds: float, step_s: float | None = None) -> None:
+    def record_draft(self, plan: Plan, seconds: float, step_s: float | None = None,
+                     forward_s: dict | None = None) -> None:
         """One round's draft work of `plan` (an SSD tree, a synchronous draft) took `seconds`, of which each of its
-        forwards took `step_s`, where measured."""
+        forwards took `step_s` on average, and its forwards by width `forward_s` ({tokens per row: (seconds,
+        calls)}), where measured."""
         if plan.mode != "plain":
             line = self.memory.lines.setdefault(("draft", family(plan), plan.int8), LearnedLine(proportional=True))
             line.add(tree_forwards(plan), seconds, step_s)
+            if forward_s and plan.mode == "ssd":
+                self.memory.lines.setdefault(("tree", family(plan), plan.int8), TreeCost()).add(seconds, forward_s)
 
     def record_tokens(self, plan: Plan, tokens: float, served: tuple[tuple[int, float], tuple[int, float]] | None = None
                       ) -> None:

@@ -148,10 +148,12 @@ class ControlledDrafter(Drafter):
         result = self.current.resolve(verdict)
         # recorded at the next round's start, while the drafter works on that one (or at close)
         draft_s = result.draft_s if self.round_recorded and self._compiles() == compiles else None
-        step_s = self.stats.draft_step_s if draft_s is not None and self.plan.mode == "ssd" else None
+        timed = draft_s is not None and self.plan.mode == "ssd"
+        step_s = self.stats.draft_step_s if timed else None
+        forward_s = self.stats.draft_forward_s if timed else None
         # the hits now: a draft process's may sit in a buffer the next round writes
         lookups = None if result.hits is None else (float(result.hits.sum()), result.hits.numel())
-        self.unrecorded = (self.plan, draft_s, step_s, lookups)
+        self.unrecorded = (self.plan, draft_s, step_s, forward_s, lookups)
         return result
 
     def _switch_could_pay(self, verdict: Verdict) -> bool:
@@ -169,9 +171,9 @@ class ControlledDrafter(Drafter):
         """The last resolve's draft work and cache lookups, to the controller."""
         if self.unrecorded is None:
             return
-        (plan, draft_s, step_s, lookups), self.unrecorded = self.unrecorded, None
+        (plan, draft_s, step_s, forward_s, lookups), self.unrecorded = self.unrecorded, None
         if draft_s is not None:
-            self.controller.record_draft(plan, draft_s, step_s)
+            self.controller.record_draft(plan, draft_s, step_s, forward_s)
         if lookups is not None:
             self.controller.record_lookups(plan, *lookups)
 

@@ -30,7 +30,9 @@ from hf_ssd.control.decision import family
 from hf_ssd.control.memory import Ema
 from hf_ssd.control.plan import Plan
 
-BRANCH_SHARE = 0.03  # a tree step's cost per branch beyond the first, in forwards (measured above)
+# a tree step's cost per branch beyond the first, in forwards (measured above; 0.1 / 0.8 in session 33's draft
+# process: where the forwards are timed by width, control.tree_cost prices trees without it)
+BRANCH_SHARE = 0.03
 MIN_SPREAD = 1.0  # sizes (in forwards or tokens) a slope is fitted over: closer ones differ by noise
 
 
@@ -102,7 +104,8 @@ def measured_parts(plan: Plan, lines: dict, eager_parts: Callable[[], dict], dra
         return eager["tree" if name == "draft" and plan.mode == "ssd" else name]
 
     parts = {}
-    if draft_compiled:
+    # an SSD tree whose forwards were timed by width is priced forward by forward (control.tree_cost)
+    if draft_compiled and not (plan.mode == "ssd" and _tree_costs(plan, lines, parts, eager_s)):
         own = lines.get(("draft", family(plan), plan.int8))
         others = {key[1]: line for key, line in lines.items() if key[0] == "draft" and key[2] == plan.int8 and line}
         lenders, alone = _lenders(plan, others)
@@ -126,6 +129,24 @@ def measured_parts(plan: Plan, lines: dict, eager_parts: Callable[[], dict], dra
             if alone:
                 parts["verify"] = max(parts["verify"], alone(plan.K + 1))
     return parts
+
+
+def _tree_costs(plan: Plan, lines: dict, parts: dict, eager_s: Callable[[str], float]) -> bool:
+    """Price an SSD plan's tree and backup into `parts` from the trees whose forwards were timed by width
+    (control.tree_cost.TreeCost): its own family's, else the cheapest other SSD family's, capped at the eager price
+    (as the trees borrowed in measured_parts). False where no such tree has run."""
+    own = lines.get(("tree", family(plan), plan.int8))
+    if own:
+        parts["draft"], parts["backup"] = own.tree(plan), own.backup(plan)
+        return True
+    if lines.get(("draft", family(plan), plan.int8)):  # its own trees ran, untimed by width: their line knows best
+        return False
+    others = [cost for key, cost in lines.items() if key[0] == "tree" and key[2] == plan.int8 and cost]
+    if not others:
+        return False
+    parts["draft"] = min(eager_s("draft"), min(cost.tree(plan) for cost in others))
+    parts["backup"] = min(eager_s("backup"), min(cost.backup(plan) for cost in others))
+    return True
 
 
 def _lenders(plan: Plan, others: dict[str, LearnedLine]) -> tuple[list[LearnedLine], bool]:

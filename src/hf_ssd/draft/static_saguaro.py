@@ -223,6 +223,7 @@ class StaticSaguaroDrafter(SaguaroDrafter):
         forwards = self.K if self.carried is not None else self.K + 1
         kv = self.draft.kv
         calls, run_s, compile_s = kv.compiled_calls, kv.compiled_run_s, kv.compile_s
+        by_width = {n: tuple(v) for n, v in kv.width_run.items()}
         self.tree_span = DeviceSpan(kv.device)
         self.begin_no_sync(spec)
         self.tree_span.stop()
@@ -231,6 +232,7 @@ class StaticSaguaroDrafter(SaguaroDrafter):
         # only where every forward ran a compiled graph and none compiled (else no reading for this tree)
         timed = kv.device.type == "cpu" and kv.compiled_calls - calls == forwards and kv.compile_s == compile_s
         self.stats.draft_step_s = (kv.compiled_run_s - run_s) / forwards if timed else None
+        self.stats.draft_forward_s = _forwards_since(by_width, kv.width_run) if timed else None
         self.stats.draft_compile_s = round(kv.compile_s, 4)
         self.stats.draft_compiled = self.draft.kv.compiled_calls > 0
 
@@ -289,3 +291,13 @@ class StaticSaguaroDrafter(SaguaroDrafter):
     def close(self) -> None:
         super().close()
         self.draft.kv.release()
+
+
+def _forwards_since(before: dict, now: dict) -> dict[int, tuple[float, int]]:
+    """{width: (seconds, calls)} of the compiled forwards between two readings of StaticKV.width_run."""
+    out = {}
+    for n, (seconds, calls) in now.items():
+        s0, c0 = before.get(n, (0.0, 0))
+        if calls > c0:
+            out[n] = (seconds - s0, calls - c0)
+    return out

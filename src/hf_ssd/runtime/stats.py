@@ -65,6 +65,8 @@ class SSDStats:
     # seconds of one compiled forward in the last tree, on a CPU (the rest of the tree's time is its fixed work);
     # None elsewhere (a CUDA graph's launch returns before it has run)
     draft_step_s: float | None = None
+    # the same forwards by width, {tokens per row: (seconds, calls)}: a wide tree step costs more than a narrow one
+    draft_forward_s: dict | None = None
     tree_reused: int = 0  # rounds whose tree carried the previous round's draft KV over instead of a glue forward
     timeline: list[RoundRecord] = field(default_factory=list)
     wall_time: float = 0.0

@@ -53,7 +53,7 @@ UNANSWERED = ("begin",)
 # Stats the child's drafter maintains and the parent reports.
 SHARED_STATS = ("cache_lookups", "cache_hits", "backup_rounds", "fanout_after_hit", "fanout_after_miss", "budget",
                 "alpha", "power_r", "bonus_ranks", "backup_threshold", "draft_static", "draft_compiled",
-                "draft_compile_s", "draft_step_s", "tree_reused")
+                "draft_compile_s", "draft_step_s", "draft_forward_s", "tree_reused")
 
 
 def _retire(drafter) -> None:
