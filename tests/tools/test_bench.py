@@ -423,12 +423,37 @@ def test_compiled_auto_is_warmed_up_through_the_controllers_free_compiling_calls
 
     def warm_calls(kind: str, compiled: bool) -> int:
         calls = []
-        m = SimpleNamespace(kind=kind, compiled=compiled, engine_compiled=compiled)
+        m = SimpleNamespace(kind=kind, option=None, compiled=compiled, engine_compiled=compiled)
         cfg = BenchConfig(tiny=True, warmup=1, max_new_tokens=8)
-        _warm_up(m, ["only batch"], lambda batch, max_new_tokens=None: calls.append(batch), cfg, object(),
+        _warm_up(m, ["only batch"], lambda batch, max_new_tokens=None: calls.append(batch), cfg, object(), object(),
                  SimpleNamespace(update=lambda: None))
         return len(calls)
 
     assert warm_calls("auto", True) == COMPILE_FREE_CALLS
     assert warm_calls("auto", False) < COMPILE_FREE_CALLS  # eager: nothing compiles in its calls
     assert warm_calls("ssd", True) < COMPILE_FREE_CALLS  # a fixed plan is warm once its graphs are built
+
+
+def test_auto_warmup_rows_start_the_kept_draft_process_before_their_first_call(monkeypatch):
+    """`auto:warmup`: ssd=True as a server runs it, after `hf_ssd.warmup(target, draft, draft_process=True)`, outside
+    the timed calls; it cannot share a run with `auto`, whose calls the process would then serve too."""
+    from types import SimpleNamespace
+
+    import hf_ssd
+    from hf_ssd.tools.bench.interleave import _warm_up
+    from hf_ssd.tools.bench.runner import plan_methods
+
+    names = [m.name for m in plan_methods(BenchConfig(tiny=True, methods=("plain", "auto:warmup"), compile="both"),
+                                          [])]
+    assert names == ["plain", "ssd:auto+warmup", "ssd:auto+warmup+compile"]
+    with pytest.raises(ValueError, match="two benches"):
+        plan_methods(BenchConfig(tiny=True, methods=("auto", "auto:warmup")), [])
+    events = []
+    monkeypatch.setattr(hf_ssd, "warmup", lambda target, draft, **kw: events.append(("warmup", target, draft, kw)))
+    target, draft = object(), object()
+    for option in ("warmup", None):
+        m = SimpleNamespace(kind="auto", option=option, compiled=False, engine_compiled=False)
+        _warm_up(m, ["batch"], lambda batch, max_new_tokens=None: events.append("call"),
+                 BenchConfig(tiny=True, warmup=1, max_new_tokens=8), target, draft, SimpleNamespace(update=lambda: None))
+    assert events[0] == ("warmup", target, draft, {"draft_process": True, "progress": False})
+    assert events.count("call") >= 2 and sum(isinstance(e, tuple) for e in events) == 1

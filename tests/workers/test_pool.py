@@ -171,3 +171,25 @@ def test_timings_taken_while_a_process_starts_are_not_recorded(monkeypatch):
         p.target.generate(prompt(6, seed=5), assistant_model=p.related, ssd=True, max_new_tokens=16,
                           do_sample=False, pad_token_id=0)
     assert memory.round_s == {} and memory.accepted > 0  # acceptance is still learned
+
+
+def test_warmup_starts_the_kept_process_for_ssd_true(monkeypatch):
+    """`hf_ssd.warmup(target, draft, draft_process=True)`: a server's start-up. The kept process is up when it
+    returns, so the first ssd=True call may already choose process plans (the controller alone starts one only once
+    it repays its start); exact output."""
+    import hf_ssd
+
+    monkeypatch.setenv(pool.ENV, "1")
+    p = get_pair("llama")
+    with pytest.raises(ValueError, match="draft_process=True"):
+        hf_ssd.warmup(p.target, p.related)  # no budget: nothing to compile
+    try:
+        info = hf_ssd.warmup(p.target, p.related, draft_process=True, progress=False)
+        assert info["draft_process"] == "ready" and info["compiled"] is False and pool.ready(p.related) is not None
+        ids, mask = left_pad([prompt(6, seed=5)[0]])
+        out = p.target.generate(ids, attention_mask=mask, assistant_model=p.related, ssd=True, max_new_tokens=24,
+                                do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, plain_generate(p.target, ids, attention_mask=mask, max_new_tokens=24))
+        assert "kept draft process was up" in out.ssd_stats["controller"]["process_worker"]
+    finally:
+        pool.close_all()

@@ -61,7 +61,7 @@ def run_group(setting, temp, b, ps, methods, batches, *, cfg, generate_once, tar
             continue
         gens[m.name] = gen_for(m)
         try:
-            warm_s[m.name] = _warm_up(m, batches, gens[m.name], cfg, draft, bar)
+            warm_s[m.name] = _warm_up(m, batches, gens[m.name], cfg, target, draft, bar)
         except Exception as exc:  # noqa: BLE001 - drop() re-raises what is not optional
             drop(m, exc)
             bar.update(len(batches) * cfg.repeats)
@@ -100,9 +100,13 @@ def run_group(setting, temp, b, ps, methods, batches, *, cfg, generate_once, tar
     return rows, [s for m in live for s in samples[m.name]]
 
 
-def _warm_up(m, batches, generate, cfg, draft, bar) -> float:
+def _warm_up(m, batches, generate, cfg, target, draft, bar) -> float:
     """The untimed calls before a method's timing; returns their seconds."""
     t0, graphs = time.perf_counter(), compiled_graphs() if m.compiled else 0
+    if m.kind == "auto" and m.option == "warmup":  # what a server runs once before its first ssd=True call
+        import hf_ssd
+
+        hf_ssd.warmup(target, draft, draft_process=True, progress=False)
     calls = 0
 
     def gen(batch, max_new_tokens=None):

@@ -54,6 +54,9 @@ _HF_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_
 METHOD_FAMILIES = ("plain", "hf", "sd", "ssd", "auto")
 OPTIONAL_METHODS = ("plain:static-compile", "hf:prompt-lookup")
 DEFAULT_METHODS = ("plain", "plain:static-compile", "hf", "hf:prompt-lookup", "sd", "ssd", "auto")
+# ssd=True after `hf_ssd.warmup(target, draft, draft_process=True)`, as a server would start: the kept draft process
+# is up before the first call. Not beside "auto": once up, that process serves every ssd=True row of the run.
+AUTO_WARMUP = "auto:warmup"
 WORKLOADS = ("default", "overhead")
 
 
@@ -248,10 +251,13 @@ def plan_methods(cfg: BenchConfig, workers: list[str]) -> list[Method]:
     'hf' = every schedule in cfg.hf_schedules ('hf:<schedule>' names one), 'ssd' = every available worker.
     Several K (and budgets): one row of each method that drafts a fixed K per K (SSD: per K and budget), named
     "sd@K3", "ssd:process+compile@K3b16", so each method can be compared at its best K in one run."""
-    known = {*METHOD_FAMILIES, *OPTIONAL_METHODS, *(f"hf:{s}" for s in HF_SCHEDULES)}
+    known = {*METHOD_FAMILIES, *OPTIONAL_METHODS, AUTO_WARMUP, *(f"hf:{s}" for s in HF_SCHEDULES)}
     unknown = [m for m in cfg.methods if m not in known]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; choose from {sorted(known)}")
+    if "auto" in cfg.methods and AUTO_WARMUP in cfg.methods:
+        raise ValueError(f"'auto' and '{AUTO_WARMUP}' cannot run in one bench: the draft process the second starts "
+                         "would serve the first's calls too; run them in two benches")
     Ks, budgets = cfg.K_values, cfg.budget_values
     sweep_K, sweep_budget = len(Ks) > 1, len(budgets) > 1
 
@@ -283,6 +289,8 @@ def plan_methods(cfg: BenchConfig, workers: list[str]) -> list[Method]:
         ms += [m for c in variants for w in workers for m in per_K(f"ssd:{w}" + suffix[c], "ssd", w, c, True)]
     if "auto" in cfg.methods:  # +compile: ssd=True plus the two compile options; the controller still decides
         ms += [Method("ssd:auto" + suffix[c], "auto", engine_compiled=c) for c in variants]
+    if AUTO_WARMUP in cfg.methods:
+        ms += [Method("ssd:auto+warmup" + suffix[c], "auto", "warmup", engine_compiled=c) for c in variants]
     return ms
 
 
