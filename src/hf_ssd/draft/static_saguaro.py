@@ -222,7 +222,7 @@ class StaticSaguaroDrafter(SaguaroDrafter):
         self._bad = None
         forwards = self.K if self.carried is not None else self.K + 1
         kv = self.draft.kv
-        calls, run_s, compile_s = kv.compiled_calls, kv.compiled_run_s, kv.compile_s
+        calls, compile_s = kv.compiled_calls, kv.compile_s
         by_width = {n: tuple(v) for n, v in kv.width_run.items()}
         self.tree_span = DeviceSpan(kv.device)
         self.begin_no_sync(spec)
@@ -231,8 +231,9 @@ class StaticSaguaroDrafter(SaguaroDrafter):
         self.draft_span = (t0, self.stats.now())
         # only where every forward ran a compiled graph and none compiled (else no reading for this tree)
         timed = kv.device.type == "cpu" and kv.compiled_calls - calls == forwards and kv.compile_s == compile_s
-        self.stats.draft_step_s = (kv.compiled_run_s - run_s) / forwards if timed else None
         self.stats.draft_forward_s = _forwards_since(by_width, kv.width_run) if timed else None
+        self.stats.draft_step_s = (sum(s for s, _ in self.stats.draft_forward_s.values()) / forwards if timed
+                                   else None)
         self.stats.draft_compile_s = round(kv.compile_s, 4)
         self.stats.draft_compiled = self.draft.kv.compiled_calls > 0
 

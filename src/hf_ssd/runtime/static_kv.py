@@ -90,8 +90,9 @@ class StaticCachedModel:
         self.forwards = 0
         self.compile_s = 0.0  # seconds this cache spent compiling (first call of each hot width)
         self.compiled_calls = 0
-        self.compiled_run_s = 0.0  # seconds its compiled calls took when they did not compile (host clock)
-        self.width_run: dict[int, list] = {}  # the same per width: {tokens per row: [seconds, calls]}
+        # seconds its compiled calls took when they did not compile (host clock), per width: {tokens per row:
+        # [seconds, calls]}
+        self.width_run: dict[int, list] = {}
         self.max_position = position_limit(model)  # clamped as CachedModel clamps them (learned position tables)
         self._entry: Entry | None = None
         self._rows = list(range(batch_size))  # physical row of each row the caller sees
@@ -244,7 +245,6 @@ class StaticCachedModel:
             return slot_step(*args)
         dt = time.perf_counter() - t0
         if counters["stats"]["unique_graphs"] == graphs:
-            self.compiled_run_s += dt
             at_width = self.width_run.setdefault(n, [0.0, 0])
             at_width[0] += dt
             at_width[1] += 1
