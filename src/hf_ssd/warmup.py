@@ -54,21 +54,24 @@ def warmup(
     process = {"draft_process": _start_draft_process(draft)} if draft_process else {}
     if budget is None:
         if draft_process:
-            return {"compile_s": 0.0, "wall_s": round(time.perf_counter() - t0, 4), "widths": [],
-                    "max_cache_len": None, "compiled": False, **process}
+            return _nothing_compiled(t0, process)
         raise ValueError("warmup needs the tree budget (branches per row): pass budget=..., as ssd_budget to generate() "
                          "(or draft_process=True alone, to start the kept draft process for ssd=True)")
     vocab = target.config.get_text_config().vocab_size
     kv = static_draft_cache(draft, config, batch_size, prompt_len + max_new_tokens, K, budget, vocab, progress=progress)
     if kv is None:
-        return {"compile_s": 0.0, "wall_s": time.perf_counter() - t0, "widths": [], "max_cache_len": None,
-                "compiled": False, **process}
+        return _nothing_compiled(t0, process)
     try:  # static_draft_cache compiled every width the generation uses
         compiled = kv.hot_widths <= kv.entry.compiled_widths and static_kv.COMPILE_ENABLED
         return {"compile_s": round(kv.compile_s, 4), "wall_s": round(time.perf_counter() - t0, 4),
                 "widths": sorted(kv.hot_widths), "max_cache_len": kv.max_cache_len, "compiled": compiled, **process}
     finally:
         kv.release()
+
+
+def _nothing_compiled(t0: float, process: dict) -> dict[str, Any]:
+    return {"compile_s": 0.0, "wall_s": round(time.perf_counter() - t0, 4), "widths": [], "max_cache_len": None,
+            "compiled": False, **process}
 
 
 def _start_draft_process(draft) -> str:

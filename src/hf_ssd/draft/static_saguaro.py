@@ -223,14 +223,15 @@ class StaticSaguaroDrafter(SaguaroDrafter):
         forwards = self.K if self.carried is not None else self.K + 1
         kv = self.draft.kv
         calls, compile_s = kv.compiled_calls, kv.compile_s
-        by_width = {n: tuple(v) for n, v in kv.width_run.items()}
+        on_cpu = kv.device.type == "cpu"  # a CUDA graph's launch returns before it has run: nothing to time there
+        by_width = {n: tuple(v) for n, v in kv.width_run.items()} if on_cpu else {}
         self.tree_span = DeviceSpan(kv.device)
         self.begin_no_sync(spec)
         self.tree_span.stop()
         self.tree_forwards = forwards
         self.draft_span = (t0, self.stats.now())
         # only where every forward ran a compiled graph and none compiled (else no reading for this tree)
-        timed = kv.device.type == "cpu" and kv.compiled_calls - calls == forwards and kv.compile_s == compile_s
+        timed = on_cpu and kv.compiled_calls - calls == forwards and kv.compile_s == compile_s
         self.stats.draft_forward_s = _forwards_since(by_width, kv.width_run) if timed else None
         self.stats.draft_step_s = (sum(s for s, _ in self.stats.draft_forward_s.values()) / forwards if timed
                                    else None)
