@@ -170,9 +170,9 @@ def candidates(costs: Costs, max_K: int = MAX_K, budgets: tuple[int, ...] = (2, 
             for worker in workers:
                 if worker == "process" and int8:
                     continue
-                # a budget covers the K + 1 outcomes (narrower trees as candidates: docs/controller.md, tried), and
-                # the narrowest that does is always one (at α = 1 it hits as often as any, at the least cost)
+                # the narrowest tree that covers the K + 1 outcomes is always one, and narrower ones too: at α = 1
+                # only k = K occurs, and 2 branches beat K + 1 at K = 8 (1.4x a round, docs/controller.md); the hit
+                # rate model prices what they leave out, and their forwards are priced width by width (tree_cost)
                 wide = sorted({*budgets, K + 1}) if len(budgets) > 1 else budgets
-                plans += [Plan("ssd", K, budget, worker, int8, costs.split) for budget in wide
-                          if budget >= K + 1 or len(budgets) == 1]
+                plans += [Plan("ssd", K, budget, worker, int8, costs.split) for budget in wide]
     return plans
