@@ -9,7 +9,7 @@ from hf_ssd.control.costs import Costs, Curve
 from hf_ssd.control.learned_line import LearnedLine, tree_forwards
 from hf_ssd.control.memory import Memory
 from hf_ssd.control.plan import Plan
-from hf_ssd.control.tree_cost import TreeCost
+from hf_ssd.control.tree_cost import WIDTH_SHARE, TreeCost
 from hf_ssd.draft.static_saguaro import _forwards_since
 
 
@@ -53,6 +53,24 @@ def test_a_wide_shallow_tree_prices_a_narrow_deep_one_by_its_widths():
     for _ in range(6):
         line.add(tree_forwards(wide), seconds, sum(s for s, _ in forwards.values()) / (wide.K + 1))
     assert line(tree_forwards(deep)) > 1.3 * _truth(deep)
+
+
+def test_one_width_seen_prices_other_widths_by_the_prior_slope():
+    """K = 8 with 9 branches times only forwards 9 wide (glue and steps): a line through one width is flat, and a
+    tree of 2 branches would cost as much as one of 9. Until the widths seen span FIT_SPREAD, a forward's width
+    costs WIDTH_SHARE of a forward of no width per token, so the narrower tree is priced cheaper, as it runs."""
+    only = Plan("ssd", 8, 9, "process")
+    cost = TreeCost()
+    for _ in range(6):
+        cost.add(*_tree(only))
+    assert cost.tree(only) == pytest.approx(_truth(only))  # what ran is priced as it ran
+    narrow, wide = Plan("ssd", 8, 2, "process"), Plan("ssd", 8, 16, "process")
+    assert cost.tree(narrow) < 0.8 * cost.tree(only) < 0.8 * cost.tree(wide)
+    per_token = cost.forward_s(10) - cost.forward_s(9)
+    assert per_token == pytest.approx(WIDTH_SHARE * (cost.forward_s(9) - 9 * per_token))
+    # widths far enough apart: the line through them, as timed
+    cost.add(*_tree(Plan("ssd", 2, 16, "process")))
+    assert cost.forward_s(2) == pytest.approx(_forward_s(2), rel=0.05)
 
 
 def test_bad_readings_leave_the_lines_alone():
