@@ -65,8 +65,25 @@ def _batch():
 
 
 # ---- the cache and the masks ------------------------------------------------------------------------------------------
+@pytest.fixture(params=["views", "all slots"])
+def slot_views(request, monkeypatch):
+    """Forwards over views of 8, 16, 32 ... slots of a 64-slot cache (static_kv._slot_view), or over all 64. Records
+    the slots each eager forward's mask spans."""
+    views = request.param == "views"
+    monkeypatch.setattr(static_kv, "SLOT_VIEWS", views)
+    monkeypatch.setattr(static_kv, "VIEW_BUCKET", 8)
+    spans, step = [], static_kv.slot_step
+
+    def spy(model, cache, cache_kw, w, valid, *args, **kw):
+        spans.append(valid.shape[1])
+        return step(model, cache, cache_kw, w, valid, *args, **kw)
+
+    monkeypatch.setattr(static_kv, "slot_step", spy)
+    return views, spans
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_static_cache_matches_dynamic_cache(arch):
+def test_static_cache_matches_dynamic_cache(arch, slot_views):
     m = get_pair(arch).target
     ids, mask = _batch()
     pos = (mask.cumsum(1) - 1).clamp_min(0)
@@ -93,6 +110,9 @@ def test_static_cache_matches_dynamic_cache(arch):
             sta.select_rows(torch.tensor([1, 2]))
             B = 2
     assert sta.valid.shape == (2, 64)
+    views, spans = slot_views
+    assert sta.slot_model is not sta.model  # every tiny architecture runs packed attention, which reads the views
+    assert spans == ([16, 16, 32, 32] if views else [64] * 4)  # 11 prompt slots, then 3 rounds of 3
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -354,8 +374,11 @@ def dynamo(monkeypatch):
 
 @pytest.mark.parametrize("B", [1, 2])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_compiled_identity_no_breaks_no_recompiles(arch, B, dynamo):
+def test_compiled_identity_no_breaks_no_recompiles(arch, B, dynamo, monkeypatch):
+    """... with forwards over views of 16, 32, 64 and 128 slots (static_kv._slot_view): one graph per width serves
+    them all."""
     counters = dynamo
+    monkeypatch.setattr(static_kv, "VIEW_BUCKET", 16)
     p = get_pair(arch)
     ids, mask = left_pad([prompt(9, seed=20 + i)[0] for i in range(B)])
     new = 48

@@ -2,14 +2,15 @@
 allocation, concatenation, cropping or host reads, so it can run under torch.compile (CUDA graphs on GPU).
 
 Layout. Every row owns slots 0..M-1 of a fixed [B, heads, M, head_dim] buffer per layer (M = max_cache_len). Row b
-writes its next n tokens at its write pointer w[b] .. w[b]+n-1 (a per-row scatter) and moves the pointer on.
-Like `CachedModel`, every slot has a validity bit and the logical position of its token, and every forward gets an
-explicit 4D mask built from them, now over all M slots (a static shape): left padding is a run of invalid slots,
-and so is everything at or past a row's pointer (invariant: valid[b, s] is False for s >= w[b]). "Cropping" a row
-is moving its pointer back (`invalidate(start)`): a rejected draft or a dropped tree branch is simply overwritten
-by the next round, so a row's committed tokens stay dense and M only needs room for the longest sequence plus one
-round (glue K+1 slots and the tree K*N slots). Rows that finish stay in the batch as dead rows: never valid, never
-advanced, their outputs dropped, so the batch shape never changes either.
+writes its next n tokens at its write pointer w[b] .. w[b]+n-1 (a per-row scatter) and moves the pointer on. Like
+`CachedModel`, every slot has a validity bit and the logical position of its token, and every forward gets an
+explicit 4D mask built from them, over the first L slots (a bucket holding every slot written so far, at most M:
+`_slot_view`): left padding is a run of invalid slots, and so is everything at or past a row's pointer (invariant:
+valid[b, s] is False for s >= w[b]). "Cropping" a row is moving its pointer back (`invalidate(start)`): a rejected
+draft or a dropped tree branch is simply overwritten by the next round, so a row's committed tokens stay dense and M
+only needs room for the longest sequence plus one round (glue K+1 slots and the tree K*N slots). Rows that finish
+stay in the batch as dead rows: never valid, never advanced, their outputs dropped, so the batch shape never changes
+either.
 
 What a new token may see is given per query instead of as a [B, n, L+n] matrix (`SlotAttend`): every valid slot up
 to `lim`, plus the valid slots of its own tree branch (slots tree0 + m*n + branch, m >= 0), plus itself. The
@@ -17,12 +18,12 @@ default (`attend=None`) is causal: lim = the token's own slot. A tree step of wi
 branch = the branch's index: exactly `core.tree.tree_attend`.
 
 What compiles: one graph per hot width (the glue's K+1, the tree's N and the backup's single tokens per row),
-`torch.compile(fullgraph=True, dynamic=False)`, "reduce-overhead" (CUDA graphs) on GPU: the mask over all M slots,
-the whole model forward (every layer's slot-scatter KV write included) and the validity/position/pointer updates.
-Checked with zero graph breaks on Llama, Qwen2, Qwen3, Gemma3 (mixed sliding/full layers), Mistral (sliding
-window), GPT-2 (learned positions) and GPT-NeoX. What stays eager: prefill (and any width a plan does not declare hot),
-and the small sync-free ops between forwards (fork, proposals, lookup). Inputs are made dense first:
-graphs are specialised on strides.
+`torch.compile(fullgraph=True, dynamic=False)`, "reduce-overhead" (CUDA graphs) on GPU: the mask over the view's
+slots (the view's width marked dynamic), the whole model forward (every layer's slot-scatter KV write included) and
+the validity/position/pointer updates. Checked with zero graph breaks on Llama, Qwen2, Qwen3, Gemma3 (mixed
+sliding/full layers), Mistral (sliding window), GPT-2 (learned positions) and GPT-NeoX. What stays eager: prefill
+(and any width a plan does not declare hot), and the small sync-free ops between forwards (fork, proposals, lookup).
+Inputs are made dense first: graphs are specialised on strides.
 
 The forward itself (mask, model, slot writes) is runtime/slot_step.py; the buffers and the compiled forward live in
 a per-process registry keyed by (model, batch, M, dtype, device), runtime/static_registry.py, so a second
@@ -49,6 +50,18 @@ BUCKET = 256  # the smallest M; larger ones are powers of two, so prompts of man
 # model families whose unpadded prefill runs with no mask (StaticCachedModel._plain_causal); each is checked against
 # the masked prefill in tests
 CAUSAL_PREFILL_MODELS = ("llama", "qwen2", "qwen3", "gpt2", "gpt_neox")
+# Compiled and eager slot forwards attend over a view of the first L slots, L = VIEW_BUCKET times a power of two
+# (at most M) holding every slot written so far (`StaticCachedModel._slot_view`). False: over all M slots.
+SLOT_VIEWS = True
+VIEW_BUCKET = BUCKET
+
+
+def bucketed(need: int, bucket: int) -> int:
+    """The smallest `bucket` times a power of two that is >= need."""
+    size = bucket
+    while size < need:
+        size *= 2
+    return size
 
 
 def static_cache_len(max_length: int, K: int, budget: int, bucket: int = BUCKET) -> int:
@@ -58,11 +71,7 @@ def static_cache_len(max_length: int, K: int, budget: int, bucket: int = BUCKET)
     steps of 256 made prompts of many lengths compile again (an SSD plan compiled on the overhead workload's short
     MT-Bench prompts compiled for 10 s on its first HumanEval prompt), while powers of two need one or two sizes per
     workload, for attention over at most twice the slots."""
-    need = int(max_length) + 2 * (K + 1) + K * int(budget)
-    size = bucket
-    while size < need:
-        size *= 2
-    return size
+    return bucketed(int(max_length) + 2 * (K + 1) + K * int(budget), bucket)
 
 
 # ---- the cache the draft side uses ----------------------------------------------------------------------------------
@@ -180,7 +189,7 @@ class StaticCachedModel:
         model = self.model if prefill else self.slot_model  # a prefill keeps transformers' own SDPA (and causal path)
         args = (model, e.cache, self.cache_kw, e.w, e.valid, e.pos, e.alive, e.slot_ids, *inputs,
                 self.window, self.layer_types is not None, self.dtype, self.max_position)
-        logits = self._prefill(e, n, args) if prefill else self._run(e, n, args)
+        logits = self._prefill(e, n, args) if prefill else self._run(e, n, self._slot_view(args, n))
         self._bound += n
         self.forwards += 1
         return self._mine(logits)
@@ -219,6 +228,27 @@ class StaticCachedModel:
         own_slot = e.w[:, None] + e.slot_ids[:n]
         in_order = torch.equal(positions, e.slot_ids[:n].expand_as(positions))
         return bool(new_valid.all() and e.alive.all() and in_order and torch.equal(lim, own_slot))
+
+    def _slot_view(self, args, n: int):
+        """`args` with validity, positions and slot ids cut to the first L slots, L = the view bucket holding every
+        slot written so far and the n new ones (the host bound: no device read). Slots past it are invalid (the
+        module doc's invariant), so the mask over L slots gives the same logits, and packed_sdpa cuts K and V to
+        the mask's width: attention reads L slots, not M. A cache lent to a shorter call (static_registry) or early
+        in a long one is mostly empty: the overhead workload's compiled 9-token draft step took 0.85 ms on a
+        256-slot view of a 1024-slot cache against 1.23 ms over all of it. The cut is marked dynamic, so one graph
+        serves every view of a cache (on CUDA, a graph is recorded per view size: a few buckets). The model itself
+        (no packed attention: slot_view) attends over all M."""
+        if not SLOT_VIEWS or self.slot_model is self.model:
+            return args
+        L = min(bucketed(self._bound + n, VIEW_BUCKET), self.max_cache_len)
+        if L == self.max_cache_len:
+            return args
+        model, cache, cache_kw, w, valid, pos, alive, slot_ids, *rest = args
+        valid, pos, slot_ids = valid[:, :L], pos[:, :L], slot_ids[:L]
+        torch._dynamo.mark_dynamic(valid, 1)
+        torch._dynamo.mark_dynamic(pos, 1)
+        torch._dynamo.mark_dynamic(slot_ids, 0)
+        return (model, cache, cache_kw, w, valid, pos, alive, slot_ids, *rest)
 
     def _run(self, e: Entry, n: int, args) -> torch.Tensor:
         # The first forward of an entry is eager: the layers allocate (and mark static) their buffers outside a graph.
