@@ -9,6 +9,7 @@ larger serves too) finds them ready and reports draft_compile_s == 0.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 
 from transformers import PreTrainedModel
@@ -75,8 +76,13 @@ def _nothing_compiled(t0: float, process: dict) -> dict[str, Any]:
 
 
 def _start_draft_process(draft) -> str:
-    """Start `draft`'s kept process (workers.pool) and wait for it; its status."""
+    """Start `draft`'s kept process (workers.pool) and wait for it; its status. A process that is not up is
+    warned about: the caller asked for it, and `ssd=True` then runs no process plan (the reason is in the status:
+    a main script that would run again in the spawned child, HF_SSD_AUTO_PROCESS=0, a failed start)."""
     what = pool.start(draft)
-    if what.startswith("not started"):
-        return what
-    return pool.wait(draft) or what
+    if not what.startswith("not started"):
+        what = pool.wait(draft) or what
+    if what != "ready":
+        warnings.warn(f"hf_ssd.warmup: the kept draft process is not up ({what}); ssd=True calls will run their "
+                      "draft in this process", RuntimeWarning, stacklevel=3)
+    return what

@@ -193,3 +193,20 @@ def test_warmup_starts_the_kept_process_for_ssd_true(monkeypatch):
         assert "kept draft process was up" in out.ssd_stats["controller"]["process_worker"]
     finally:
         pool.close_all()
+
+
+def test_warmup_warns_when_the_kept_process_cannot_start(tmp_path, monkeypatch):
+    """A main script that runs code at import would run it again in the spawned child: warmup(draft_process=True)
+    starts nothing, and says so with the reason (a script without the guard is the usual cause)."""
+    import hf_ssd
+
+    path = tmp_path / "server.py"
+    path.write_text("import hf_ssd\nmodel = load()\n")
+    main = types.ModuleType("__main__")
+    main.__file__ = str(path)
+    monkeypatch.setitem(__import__("sys").modules, "__main__", main)
+    monkeypatch.setenv(pool.ENV, "1")
+    p = get_pair("llama")
+    with pytest.warns(RuntimeWarning, match=r"kept draft process is not up \(not started: .*if __name__ =="):
+        info = hf_ssd.warmup(p.target, p.related, draft_process=True, progress=False)
+    assert info["draft_process"].startswith("not started") and pool.ready(p.related) is None
