@@ -2,7 +2,8 @@
 
 Every row owns slots 0..M-1 of a fixed [B, heads, M, head_dim] buffer per layer; row b writes its next n tokens at
 its write pointer w[b] .. w[b]+n-1 (`SlotLayer`: a per-row scatter) and every forward gets an explicit 4D mask over
-all M slots built from each slot's validity bit and logical position. What a new token may see is given per query
+the slots it is given (all M, or a view of the first L that holds every valid one: static_kv) built from each
+slot's validity bit and logical position. What a new token may see is given per query
 (`SlotAttend`), not as a [B, n, L+n] matrix. `slot_step` is that whole forward with fixed shapes in and out and no
 host reads: what torch.compile sees.
 """
@@ -75,7 +76,7 @@ def slot_allowed(valid: torch.Tensor, lim: torch.Tensor, branch: torch.Tensor, t
 def slot_step(model, cache, cache_kw, w, valid, pos, alive, slot_ids, tokens, positions, new_valid, lim, branch,
                tree0, window, mixed, dtype, max_position, head_kw=None, causal=False):
     """One forward of n tokens per row at the rows' write pointers: write validity and positions, build the mask
-    over all M slots, run the model (its layers write their KV at the same slots), advance live rows' pointers.
+    over the slots `valid` spans, run the model (its layers write their KV at the same slots), advance live rows' pointers.
     Fixed shapes in, fixed shapes out, no host reads: this is what torch.compile sees.
 
     causal: the caller knows the mask is plain causal over exactly these tokens (an unpadded prefill of an empty
