@@ -70,6 +70,29 @@ def test_measured_starts_calibrate_the_price():
     assert ctl.startup_s(Plan("plain"), 800) == 0
 
 
+def test_a_cold_start_does_not_price_the_family():
+    """A family's first start, and later one-off starts far above its average, are left out: a fresh draft
+    process's first prefill took 197x the model on the overhead workload, and priced at that, every later call ran
+    plain decoding, where no drafting plan would start again to correct the price."""
+    ctl = controller()
+    plan = Plan("sync", 3)
+    modelled = ctl.startup_model(plan, 800)
+    calls = Horizon(tokens=64, context=800)
+    ctl.record_startup(plan, 800, 200 * modelled)  # the first: cold
+    assert ctl.startup_s(plan, 800) == pytest.approx(modelled)  # as if none were measured
+    assert ctl.decide(horizon=calls).plan.mode != "plain"
+    for _ in range(3):
+        ctl.record_startup(plan, 800, 2 * modelled)
+    assert ctl.startup_s(plan, 800) == pytest.approx(2 * modelled)
+    ctl.record_startup(plan, 800, 200 * modelled)  # a restarted process's first prefill, say
+    assert ctl.startup_s(plan, 800) == pytest.approx(2 * modelled)
+    assert ctl.decide(horizon=calls).plan.mode != "plain"
+    for _ in range(3):  # ... but starts that stay slow are the family's price
+        ctl.record_startup(plan, 800, 200 * modelled)
+    assert ctl.startup_s(plan, 800) > 20 * modelled
+    assert ctl.decide(horizon=calls).plan.mode == "plain"
+
+
 def test_prefills_run_on_every_thread_and_rounds_on_the_plans_split(monkeypatch):
     """A thread-worker plan splits the cores (1+1) for its rounds; the prompt's prefills (the target's, then the
     draft's, in the worker thread) run alone and get both threads. Output: plain generate()'s."""

@@ -192,3 +192,22 @@ def test_a_thread_worker_on_its_own_stream_starts_during_the_prefill(pair, monke
         drafter.close()
     assert len(started_in) == 1 and started_in[0].startswith("hf-ssd-draft")
     assert torch.equal(spec.tokens, reference.tokens) and torch.equal(spec.n, reference.n)
+
+
+def test_a_start_that_runs_new_graphs_is_not_priced():
+    """A plan's first start on graphs new to this setting runs them for the first time (a draft process's took 232x
+    the model on the overhead workload, after compiling): it does not price the family's starts; the next call's
+    start, on the same graphs, does (after the family's first start, which Memory leaves out as cold)."""
+    ctl = _controller(compute_bound=False)
+    ctl.draft_compiled = True
+    prompt = torch.zeros(1, 400, dtype=torch.long)
+    ratios = []
+    for call in range(3):
+        drafter = ControlledDrafter(ctl, lambda plan: Recorder(), SSDStats(), Decision(PROCESS, "test", []))
+        assert drafter.new_graphs == (call == 0)
+        drafter.start(prompt, torch.ones_like(prompt))
+        ema = ctl.memory.startup.get("ssd:process")
+        ratios.append(None if ema is None else (ema.value, ema.n))
+    assert ratios[0] is None  # not recorded: the compiling call
+    assert ratios[1] == (None, 0)  # the family's first start: cold, left out
+    assert ratios[2][0] is not None and ratios[2][1] == 1

@@ -209,9 +209,13 @@ class Controller:
     def graphs(self, plan: Plan, in_loop: bool = False) -> frozenset[tuple]:
         return plan_graphs(plan, self.draft_compiled, self.plain_compiled, in_loop, self.max_length, self.prompt_len)
 
-    def mark_compiled(self, plan: Plan, in_loop: bool = False) -> None:
-        """`plan` is running: its graphs are built (or being built) in this process, or its kept draft process."""
-        self.memory.graphs |= self.graphs(plan, in_loop)
+    def mark_compiled(self, plan: Plan, in_loop: bool = False) -> bool:
+        """`plan` is running: its graphs are built (or being built) in this process, or its kept draft process.
+        Returns whether one of them was new to this setting (its drafter's start then runs it for the first time)."""
+        graphs = self.graphs(plan, in_loop)
+        new = any(not built(g, self.memory.graphs) for g in graphs)
+        self.memory.graphs |= graphs
+        return new
 
     def compile_s(self, plan: Plan, horizon: Horizon, in_loop: bool) -> float:
         """The share of compiling `plan`'s missing graphs this call pays (control.compiled); none in the setting's

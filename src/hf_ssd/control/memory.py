@@ -278,7 +278,16 @@ class Memory:
         ema.at = self.clock
 
     def record_startup(self, fam: str, ratio: float) -> None:
-        self.startup.setdefault(fam, Ema(outlier=None)).add(ratio)
+        """A start of family `fam` took `ratio` times its model. A family's first start is left out, and later
+        one-off ones far above the average (Ema's outliers) too: a start can be cold (a fresh draft process's first
+        prefill: its first kernels, allocations and pages). Priced at one, every call pays it, drafting never runs
+        again, and no later start corrects it: on the overhead workload a draft process's first start took 197x the
+        model, and `ssd=True` then ran plain decoding in every later call at 0.55-0.65x the SSD plan it priced at
+        1.3 s of draft prefill a call."""
+        if fam not in self.startup:
+            self.startup[fam] = Ema()
+            return
+        self.startup[fam].add(ratio)
 
     def startup_ratio(self, fam: str) -> float:
         """Measured / modelled start of plan family `fam`; a family that has not started takes the largest ratio
