@@ -76,8 +76,8 @@ def slot_allowed(valid: torch.Tensor, lim: torch.Tensor, branch: torch.Tensor, t
 def slot_step(model, cache, cache_kw, w, valid, pos, alive, slot_ids, tokens, positions, new_valid, lim, branch,
                tree0, window, mixed, dtype, max_position, head_kw=None, causal=False):
     """One forward of n tokens per row at the rows' write pointers: write validity and positions, build the mask
-    over the slots `valid` spans, run the model (its layers write their KV at the same slots), advance live rows' pointers.
-    Fixed shapes in, fixed shapes out, no host reads: this is what torch.compile sees.
+    over the slots `valid` spans, run the model (its layers write their KV at the same slots), advance live rows'
+    pointers. Fixed shapes in, fixed shapes out, no host reads: this is what torch.compile sees.
 
     causal: the caller knows the mask is plain causal over exactly these tokens (an unpadded prefill of an empty
     cache, full attention, attention reading only the new slots): no mask is passed, so attention runs SDPA's
