@@ -242,9 +242,9 @@ class StaticCachedModel:
             return args
         L = min(bucketed(self._bound + n, VIEW_BUCKET), self.max_cache_len)
         if L == self.max_cache_len:
-            # not marked: traced over all M, dynamo ties the view to the cache's size (the guard comes from AOT
-            # autograd's handling of the mutated validity view) and fails the mark. A width first compiled so (its
-            # first use late in a long call) is traced once more at its first shorter view.
+            # not marked: traced over all M, the trace ties the view's width to the cache's (a guard L == M added
+            # under AOT autograd; its cause not isolated) and the mark fails the compile. A width first compiled so
+            # (its first use late in a long call) is traced once more at its first shorter view.
             return args
         model, cache, cache_kw, w, valid, pos, alive, slot_ids, *rest = args
         valid, pos, slot_ids = valid[:, :L], pos[:, :L], slot_ids[:L]
