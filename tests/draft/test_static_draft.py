@@ -404,6 +404,49 @@ def test_compiled_identity_no_breaks_no_recompiles(arch, B, dynamo, monkeypatch)
     assert info["compile_s"] > 0 or graphs == 0
 
 
+@pytest.mark.parametrize("B", [1, 2])
+def test_a_width_first_compiled_over_the_whole_cache_serves_shorter_views(B, dynamo, monkeypatch):
+    """A width whose first compiled forward attends over all M slots (its first use late in a long call) serves
+    the shorter views of a later call with the same graph: no recompile. Without the spare slot past the cache's last
+    (slot_step.SPARE_SLOTS) the trace over all M learned that K, V and the validity were contiguous, tying the view's
+    width to M, and the width was traced again (or, marked dynamic, failed to compile)."""
+    counters = dynamo
+    monkeypatch.setattr(static_kv, "VIEW_BUCKET", 16)
+    model = get_pair("llama").related
+    static_registry.clear(model)
+    spans, view = [], StaticCachedModel._slot_view
+
+    def spy(self, args, n):
+        args = view(self, args, n)
+        spans.append(args[4].shape[1])  # the validity's width: the slots the forward attends over
+        return args
+
+    monkeypatch.setattr(StaticCachedModel, "_slot_view", spy)
+
+    def run(prefill: int) -> torch.Tensor:
+        kv = StaticCachedModel(model, B, 64, compile=True, hot_widths=(4,))
+        ids = torch.cat([prompt(prefill + 12, seed=40 + b) for b in range(B)])
+        pos = torch.arange(prefill + 12).expand(B, -1)
+        kv.forward(ids[:, :prefill], pos[:, :prefill], prefill=True)
+        logits = [kv.forward(ids[:, s:s + 4], pos[:, s:s + 4]) for s in range(prefill, prefill + 12, 4)]
+        kv.release()
+        return torch.cat(logits, dim=1)
+
+    run(44)  # width-4 forwards after a 44-token prefill: every view spans the whole cache
+    assert spans == [64, 64, 64]
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 1
+    spans.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        short = run(5)
+    assert spans == [16, 16, 32]  # views shorter than the cache
+    assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        monkeypatch.setattr(static_kv, "COMPILE_ENABLED", False)
+        eager = run(5)
+    torch.testing.assert_close(short, eager, rtol=1e-4, atol=1e-4)
+
+
 def test_every_width_compiles_before_the_first_round(dynamo, monkeypatch):
     """Which widths a generation meets can depend on timing (the "auto" backup picks the JIT's single steps from
     measured costs): all hot widths compile before the prompt, so a later generation that first takes another path

@@ -31,8 +31,9 @@ def packed_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     where packing does not apply (no grouping, no 4D mask shared by the heads, extra terms SDPA handles itself)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if isinstance(attention_mask, torch.Tensor) and key.shape[2] > attention_mask.shape[-1]:
-        # a static cache's view (static_kv.StaticCachedModel._slot_view): the slots past the mask are all invalid
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 4:
+        # a static cache's view (static_kv.StaticCachedModel._slot_view): the slots past the mask are all invalid.
+        # Cut always, not only where K is longer: a branch on the view's width (dynamic) would add a guard to it.
         L = attention_mask.shape[-1]
         key, value = key[:, :, :L], value[:, :, :L]
     groups = getattr(module, "num_key_value_groups", 1)

@@ -30,6 +30,13 @@ class Pointer:
         self.w = w
 
 
+# Physical K/V slots past the last one a row can use: never written, never read. A view of the first L slots is
+# then never the whole buffer, so a compiled forward traced over all M slots does not learn that its K/V are
+# contiguous (L == M): that guard tied the view's width to M, and each width was traced again at its first shorter
+# view (static_kv.StaticCachedModel._slot_view).
+SPARE_SLOTS = 1
+
+
 class SlotLayer(StaticLayer):
     """A full-attention static layer whose writes go to per-row slots (the shared write pointers), not to one
     cumulative position. Sliding windows are applied in our masks, so every layer keeps all M slots."""
@@ -37,7 +44,8 @@ class SlotLayer(StaticLayer):
     is_sliding = False
 
     def __init__(self, max_cache_len: int, pointer: Pointer):
-        super().__init__(max_cache_len=max_cache_len)
+        super().__init__(max_cache_len=max_cache_len + SPARE_SLOTS)  # allocated lazily, with the spare
+        self.slots = max_cache_len
         self.pointer = pointer
         # while set, attention reads only the first `view` slots: an eager prefill attends over the slots written so
         # far, not all M (a sync draft's cache has room for twice the call: its prefill read 2-4x the slots it needed)
@@ -51,16 +59,16 @@ class SlotLayer(StaticLayer):
         index = slots[:, None, :, None]
         self.keys.scatter_(2, index.expand(B, H, n, self.k_head_dim), key_states.to(self.keys.dtype))
         self.values.scatter_(2, index.expand(B, H, n, self.v_head_dim), value_states.to(self.values.dtype))
-        if self.view is not None:
-            return self.keys[:, :, :self.view], self.values[:, :, :self.view]
-        return self.keys, self.values
+        width = self.slots if self.view is None else self.view
+        return self.keys[:, :, :width], self.values[:, :, :width]
 
     def get_mask_sizes(self, *args, **kwargs):
         """(kv length, offset) for a mask transformers builds itself: only a causal prefill lets it (slot_step with
         causal=True), over the `view` slots attention reads."""
-        if self.view is not None:
-            return self.view, 0
-        return super().get_mask_sizes(*args, **kwargs)
+        return (self.slots if self.view is None else self.view), 0
+
+    def get_max_cache_shape(self) -> int:
+        return self.slots
 
 
 def slot_allowed(valid: torch.Tensor, lim: torch.Tensor, branch: torch.Tensor, tree0: torch.Tensor,

@@ -241,11 +241,6 @@ class StaticCachedModel:
         if not SLOT_VIEWS or self.slot_model is self.model:
             return args
         L = min(bucketed(self._bound + n, VIEW_BUCKET), self.max_cache_len)
-        if L == self.max_cache_len:
-            # not marked: traced over all M, the trace ties the view's width to the cache's (a guard L == M added
-            # under AOT autograd; its cause not isolated) and the mark fails the compile. A width first compiled so
-            # (its first use late in a long call) is traced once more at its first shorter view.
-            return args
         model, cache, cache_kw, w, valid, pos, alive, slot_ids, *rest = args
         valid, pos, slot_ids = valid[:, :L], pos[:, :L], slot_ids[:L]
         torch._dynamo.mark_dynamic(valid, 1)

@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from hf_ssd.runtime.kv import input_device
-from hf_ssd.runtime.slot_step import Pointer, SlotLayer, slot_step
+from hf_ssd.runtime.slot_step import SPARE_SLOTS, Pointer, SlotLayer, slot_step
 
 # seconds spent compiling and graphs built, all entries of this process together: what a new graph costs here
 COMPILE_SPENT = {"seconds": 0.0, "graphs": 0}
@@ -87,8 +87,10 @@ class Entry:
         self.model_ref = weakref.ref(model)
         self.batch, self.max_cache_len, self.dtype, self.device = batch, max_cache_len, dtype, device
         self.w = torch.zeros(batch, dtype=torch.long, device=device)
-        self.valid = torch.zeros(batch, max_cache_len, dtype=torch.bool, device=device)
-        self.pos = torch.zeros(batch, max_cache_len, dtype=torch.long, device=device)
+        # a spare column past the last slot (never used), as the K/V have (slot_step.SPARE_SLOTS): a view of the
+        # first L slots is then never contiguous, whatever L, so a graph traced over all of them still serves views
+        self.valid = torch.zeros(batch, max_cache_len + SPARE_SLOTS, dtype=torch.bool, device=device)[:, :max_cache_len]
+        self.pos = torch.zeros(batch, max_cache_len + SPARE_SLOTS, dtype=torch.long, device=device)[:, :max_cache_len]
         self.alive = torch.ones(batch, dtype=torch.bool, device=device)
         self.slot_ids = torch.arange(max_cache_len, device=device)
         for t in (self.w, self.valid, self.pos, self.alive, self.slot_ids):
