@@ -236,8 +236,9 @@ class StaticCachedModel:
         the mask's width: attention reads L slots, not M. A cache lent to a shorter call (static_registry) or early
         in a long one is mostly empty: the overhead workload's compiled 9-token draft step took 0.85 ms on a
         256-slot view of a 1024-slot cache against 1.23 ms over all of it. The cut is marked dynamic, so one graph
-        serves every view of a cache (on CUDA, a graph is recorded per view size: a few buckets). The model itself
-        (no packed attention: slot_view) attends over all M."""
+        serves every view of a cache (on CUDA, a graph is recorded per view size: a few buckets), the whole cache
+        included (L = M: the spare slot past the last, slot_step.SPARE_SLOTS, keeps that trace general). The model
+        itself (no packed attention: slot_view) attends over all M."""
         if not SLOT_VIEWS or self.slot_model is self.model:
             return args
         L = min(bucketed(self._bound + n, VIEW_BUCKET), self.max_cache_len)
