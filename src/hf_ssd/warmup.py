@@ -3,8 +3,8 @@
 
 Compiled graphs and static buffers are kept per process and per (draft model, batch, cache length, dtype, device)
 (`runtime.static_kv`), so a generation with the same draft, batch size, K, budget and a max_length in the same
-bucket (`static_kv.static_cache_len`: `static_kv.BUCKET` slots times a power of two; a cache up to four times
-larger serves too) finds them ready and reports draft_compile_s == 0.
+bucket (`static_kv.static_cache_len`: `static_kv.BUCKET` slots times a power of two, at least
+`static_kv.MIN_SLOTS`; a cache up to four times larger serves too) finds them ready and reports draft_compile_s == 0.
 """
 from __future__ import annotations
 

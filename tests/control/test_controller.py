@@ -1208,12 +1208,12 @@ def test_graphs_built_on_caches_for_short_prompts_are_built_again_for_a_long_one
     from hf_ssd.runtime import static_registry
 
     ssd = Plan("ssd", 4, 8, "process")
-    short = plan_graphs(ssd, True, True, max_length=200)  # 200 + 2*5 + 4*8 = 242 slots: a cache of 256
-    assert all(built(g, set(short)) for g in plan_graphs(ssd, True, True, max_length=180))  # the same cache size
-    long = plan_graphs(ssd, True, True, max_length=700)  # 742 slots: a cache of 1024
+    short = plan_graphs(ssd, True, True, max_length=200)  # 242 slots: a cache of MIN_SLOTS (1024)
+    assert all(built(g, set(short)) for g in plan_graphs(ssd, True, True, max_length=900))  # the same cache size
+    long = plan_graphs(ssd, True, True, max_length=1300)  # 1342 slots: a cache of 2048
     assert not any(built(g, set(short)) for g in long)
     assert all(built(g, set(long)) for g in short)  # the registry lends the larger cache to a shorter call
-    huge = plan_graphs(ssd, True, True, max_length=1500)  # a cache of 2048: more than 4x what a 200-token call needs
+    huge = plan_graphs(ssd, True, True, max_length=4500)  # a cache of 8192: more than 4x what a 200-token call needs
     assert not any(built(g, set(huge)) for g in short)
 
     def controller_for(max_length):
@@ -1224,8 +1224,8 @@ def test_graphs_built_on_caches_for_short_prompts_are_built_again_for_a_long_one
     controller_for(200).mark_compiled(ssd)
     monkeypatch.setattr(static_registry, "COMPILE_SPENT", {"seconds": 30.0, "graphs": 10})  # 3 s per graph
     horizon = Horizon(tokens=64, context=100)
-    assert controller_for(180).compile_s(ssd, horizon, in_loop=False) == 0.0
-    assert controller_for(700).compile_s(ssd, horizon, in_loop=False) == pytest.approx(3.0 * len(long))
+    assert controller_for(900).compile_s(ssd, horizon, in_loop=False) == 0.0
+    assert controller_for(1300).compile_s(ssd, horizon, in_loop=False) == pytest.approx(3.0 * len(long))
 
 
 def test_the_graphs_each_plan_compiles():

@@ -482,11 +482,12 @@ def test_every_width_compiles_before_the_first_round(dynamo, monkeypatch):
     assert all(width in (K + 1, BUDGET) and s > 0 for t in last for width, (s, _) in t.items())
 
 
-def test_a_shorter_generation_reuses_a_larger_free_entry(dynamo):
+def test_a_shorter_generation_reuses_a_larger_free_entry(dynamo, monkeypatch):
     """Static buffers are sized in buckets of max_length: a generation whose bucket is smaller than a free entry's
     (up to static_registry.REUSE_LARGER times) runs on that entry and its compiled graphs instead of compiling its own,
-    with the same tokens."""
+    with the same tokens. (Buckets from the smallest, BUCKET, not the floor MIN_SLOTS: a short test.)"""
     counters = dynamo
+    monkeypatch.setattr(static_kv, "MIN_SLOTS", static_kv.BUCKET)
     p = get_pair("llama")
     static_registry.clear(p.related)
     ids, mask = left_pad([prompt(7, seed=32)[0]])
@@ -502,6 +503,28 @@ def test_a_shorter_generation_reuses_a_larger_free_entry(dynamo):
     assert out.ssd_stats["draft_compile_s"] == 0.0 and counters["stats"]["unique_graphs"] == graphs
     entry, = [e for e in static_registry.registry_entries(p.related) if e.batch == 1]
     assert entry.max_cache_len > static_kv.BUCKET  # the one larger entry served both
+
+
+def test_prompts_of_different_buckets_share_one_cache_size(dynamo):
+    """Under MIN_SLOTS slots every call gets the same cache size, so a long prompt after a short one runs on the
+    short one's entry and graphs: nothing compiles again (with buckets alone, 256 and 1024 slots here)."""
+    counters = dynamo
+    p = get_pair("llama")
+    static_registry.clear(p.related)
+    sizes = [static_kv.static_cache_len(P + 16, K, BUDGET) for P in (7, 600)]
+    assert sizes == [static_kv.MIN_SLOTS] * 2
+    assert static_kv.bucketed(7 + 16, static_kv.BUCKET) < static_kv.bucketed(600 + 16, static_kv.BUCKET)
+    graphs = None
+    for P in (7, 600):
+        ids = prompt(P, seed=33)
+        ref = plain_generate(p.target, ids, max_new_tokens=16)
+        out = ssd_generate(p.target, p.related, ids, max_new_tokens=16, return_dict_in_generate=True, **STATIC)
+        assert torch.equal(out.sequences, ref) and out.ssd_stats["draft_compiled"]
+        if graphs is not None:
+            assert out.ssd_stats["draft_compile_s"] == 0.0 and counters["stats"]["unique_graphs"] == graphs
+        graphs = counters["stats"]["unique_graphs"]
+    entry, = [e for e in static_registry.registry_entries(p.related) if e.batch == 1]
+    assert entry.max_cache_len == static_kv.MIN_SLOTS
 
 
 @pytest.mark.parametrize("failures", [1, static_registry.COMPILE_TRIES])

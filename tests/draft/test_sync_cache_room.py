@@ -23,6 +23,7 @@ def test_a_draft_rejected_every_round_still_fits(monkeypatch):
     """The worst case for holes: a draft that never agrees leaves one per new token. With a 100-token prompt and 60
     new tokens the cache is 256 slots (it was 512), and the output is plain generate()'s."""
     monkeypatch.setattr(static_kv, "COMPILE_ENABLED", False)  # the static cache, run eagerly (fast)
+    monkeypatch.setattr(static_kv, "MIN_SLOTS", static_kv.BUCKET)  # sizes from the smallest bucket, not the floor
     p = get_pair("llama")
     target, draft = copy.deepcopy(p.target), copy.deepcopy(p.target)  # fresh models: fresh static caches
     with torch.no_grad():

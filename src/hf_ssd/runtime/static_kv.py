@@ -64,14 +64,22 @@ def bucketed(need: int, bucket: int) -> int:
     return size
 
 
+# The fewest slots a cache gets. Forwards read only a view of the slots in use (`_slot_view`), so a larger cache
+# costs memory (and its first allocation), not attention; and every cache size compiles its own graphs. With 256,
+# 512 and 1024 slots for the bench's prompts, `ssd=True` at α = 1 ran synchronous K=8 on the prompts whose sizes
+# it had compiled that plan for and an SSD plan 0.65x as fast on the others (compiling K=8 again for them was
+# priced at minutes of calls to repay). One size serves prompts up to ~900 tokens.
+MIN_SLOTS = 1024
+
+
 def static_cache_len(max_length: int, K: int, budget: int, bucket: int = BUCKET) -> int:
     """Slots a row needs: the longest sequence (prompt + new tokens), one round (glue K+1 + tree K*N) and a
-    round of margin, rounded up to `bucket` times a power of two. Each cache size compiles its own graphs (seconds
-    per width on a CPU), and a free cache up to static_registry.REUSE_LARGER times larger serves a call: sizes in
-    steps of 256 made prompts of many lengths compile again (an SSD plan compiled on the overhead workload's short
-    MT-Bench prompts compiled for 10 s on its first HumanEval prompt), while powers of two need one or two sizes per
-    workload, for attention over at most twice the slots."""
-    return bucketed(int(max_length) + 2 * (K + 1) + K * int(budget), bucket)
+    round of margin, rounded up to `bucket` times a power of two, and at least MIN_SLOTS. Each cache size compiles
+    its own graphs (seconds per width on a CPU), and a free cache up to static_registry.REUSE_LARGER times larger
+    serves a call: sizes in steps of 256 made prompts of many lengths compile again (an SSD plan compiled on the
+    overhead workload's short MT-Bench prompts compiled for 10 s on its first HumanEval prompt), while powers of two
+    need one or two sizes per workload."""
+    return max(bucketed(int(max_length) + 2 * (K + 1) + K * int(budget), bucket), MIN_SLOTS)
 
 
 # ---- the cache the draft side uses ----------------------------------------------------------------------------------
