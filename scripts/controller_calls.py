@@ -25,10 +25,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=6, help="HumanEval prompts, used in turn")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--max-prompt-tokens", type=int, default=512, help="as the bench caps them")
+    ap.add_argument("--reason-chars", type=int, default=160, help="how much of each call's reason to print")
+    ap.add_argument("--caches", action="store_true", help="print the in-process static caches after each call")
     args = ap.parse_args()
 
     import hf_ssd
     from hf_ssd.control import memory as memory_mod
+    from hf_ssd.runtime import static_registry
     from hf_ssd.tools.bench.overhead import overhead_pair
     from hf_ssd.tools.prompts import format_chat, load_prompts
 
@@ -38,6 +41,7 @@ def main() -> None:
                for r in load_prompts("humaneval", args.prompts, seed=0, max_chars=4000)]
     kw = dict(assistant_model=draft, ssd=True, ssd_compile=True, ssd_compile_target=True, do_sample=False,
               return_dict_in_generate=True)
+    compiled_before = static_registry.COMPILE_SPENT["seconds"]
     for call in range(args.calls):
         ids = prompts[call % len(prompts)]
         new = 8 if call == 0 else args.max_new_tokens
@@ -48,9 +52,18 @@ def main() -> None:
         control = stats.get("controller") or {}
         starts = {fam: None if e.value is None else round(e.value, 2)
                   for m in memory_mod._MEMORY.values() for fam, e in m.startup.items()}
-        print(f"call {call:2d}: {new / seconds:7.1f} tok/s e2e, compiled {stats.get('draft_compile_s') or 0:.1f} s | "
+        # the in-process static caches: which one compiled what (a draft process's are its own)
+        caches = {name: [(e.max_cache_len, sorted(e.compiled_widths), round(e.compile_s, 1))
+                         for e in static_registry.registry_entries(model)]
+                  for name, model in (("target", target), ("draft", draft))}
+        spent = static_registry.COMPILE_SPENT["seconds"] - compiled_before
+        compiled_before = static_registry.COMPILE_SPENT["seconds"]
+        print(f"call {call:2d}: {new / seconds:7.1f} tok/s e2e, compiled {stats.get('draft_compile_s') or 0:.1f} s "
+              f"(in this process {spent:.1f} s) | "
               f"{control.get('choice')} ({len(control.get('switches') or [])} switches) | "
-              f"{str(control.get('reason'))[:160]} | start ratios {starts}", flush=True)
+              f"{str(control.get('reason'))[:args.reason_chars]} | start ratios {starts}", flush=True)
+        if args.caches:
+            print(f"         static caches (slots, compiled widths, compile s): {caches}", flush=True)
 
 
 if __name__ == "__main__":  # the kept draft process is spawned: it imports this file again
