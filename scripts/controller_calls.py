@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--max-prompt-tokens", type=int, default=512, help="as the bench caps them")
     ap.add_argument("--reason-chars", type=int, default=160, help="how much of each call's reason to print")
+    ap.add_argument("--table", action="store_true", help="print each call's best few plans as its decision priced them")
     ap.add_argument("--caches", action="store_true", help="print the in-process static caches after each call")
     args = ap.parse_args()
 
@@ -62,6 +63,12 @@ def main() -> None:
               f"(in this process {spent:.1f} s) | "
               f"{control.get('choice')} ({len(control.get('switches') or [])} switches) | "
               f"{str(control.get('reason'))[:args.reason_chars]} | start ratios {starts}", flush=True)
+        if args.table:  # the call's first decision: its best few plans, as priced
+            rows = [f"{r['plan']}: {r['tok_s']:.0f}" + (f" ({r['call_tok_s']:.0f} over the call)" if "call_tok_s" in r
+                                                        else "") + (f" +{r['compile_s']:.1f} s compile"
+                                                                    if "compile_s" in r else "")
+                    for r in control.get("predicted") or []]
+            print(f"         predicted: {'; '.join(rows)}", flush=True)
         if args.caches:
             print(f"         static caches (slots, compiled widths, compile s): {caches}", flush=True)
 
