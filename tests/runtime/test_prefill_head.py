@@ -40,6 +40,7 @@ def test_a_static_prefill_attends_over_the_slots_in_use_only(arch, monkeypatch):
     """A static cache of 256 slots: the prompt's prefill reads the slots it writes (its keys are that long), the
     next forward reads all of them, and the next logits equal a dynamic cache's."""
     from hf_ssd.runtime import slot_step as slot_mod
+    from hf_ssd.runtime import static_registry
 
     model = get_pair(arch).target
     ids, mask = left_pad([prompt(9, seed=33)[0], prompt(5, seed=34)[0]])
@@ -53,6 +54,7 @@ def test_a_static_prefill_attends_over_the_slots_in_use_only(arch, monkeypatch):
         return keys, values
 
     monkeypatch.setattr(slot_mod.SlotLayer, "update", recording)
+    static_registry.clear(model)  # else a free larger cache of an earlier test may be lent (static_registry.acquire)
     kv = StaticCachedModel(model, 2, 256)
     try:
         kv.forward(ids[:, :-1], positions[:, :-1], mask[:, :-1].bool(), prefill=True)
