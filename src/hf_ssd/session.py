@@ -182,6 +182,7 @@ def run_session(
                 config = config.updated(compile=False, compile_target=False)
                 stats.controller_memory = controller.memory
                 stats.eager_call = True
+            controller.memory.call_explores = first.choice is not None  # not one of the free compiling calls
             if pooled is None and worker is None and config.worker == "auto":
                 wanted = controller.process_option(first.chosen, horizon, pool.start_seconds())
             if plain_hand_off and first.plan.mode == "plain":

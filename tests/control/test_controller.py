@@ -1171,7 +1171,9 @@ def test_a_switch_to_uncompiled_shapes_pays_for_their_compiles(monkeypatch):
         assert ctl.decide(horizon=horizon).plan == four  # nothing compiled yet: the best plan, no compile priced
         ctl.mark_compiled(one)  # ... but say sync K=1 ran first
         assert ctl.decide(one, horizon).plan == four  # the warm-up calls compile whatever they choose
-        ctl.memory.calls = COMPILE_FREE_CALLS
+        ctl.memory.calls, ctl.memory.exploring_calls = COMPILE_FREE_CALLS, 2
+        assert ctl.decide(one, horizon).plan == four  # two of them explored: those do not count, still free
+        ctl.memory.exploring_calls = 0
         decision = ctl.decide(one, horizon)
         if not compiled:
             assert decision.plan == four  # eager forwards: nothing to compile, the faster plan

@@ -414,22 +414,30 @@ def test_methods_are_timed_interleaved(monkeypatch):
 
 
 def test_compiled_auto_is_warmed_up_through_the_controllers_free_compiling_calls():
-    """`ssd=True` with compile compiles whatever plan its first COMPILE_FREE_CALLS calls of a setting try: those are
-    its warm-up, so the bench leaves them all untimed, also with one prompt batch (batch 16 had left one timed)."""
+    """`ssd=True` with compile compiles whatever plan its first calls of a setting try (COMPILE_FREE_CALLS of its own
+    choice; calls that explore do not count): those are its warm-up, so the bench leaves them all untimed, until a
+    call's stats say it was no longer free, also with one prompt batch (batch 16 had left one timed)."""
     from types import SimpleNamespace
 
-    from hf_ssd.control.compiled import COMPILE_FREE_CALLS
+    from hf_ssd.control.compiled import COMPILE_FREE_CALLS, COMPILE_FREE_MAX_CALLS
     from hf_ssd.tools.bench.interleave import _warm_up
 
-    def warm_calls(kind: str, compiled: bool) -> int:
+    def warm_calls(kind: str, compiled: bool, free: int = COMPILE_FREE_CALLS) -> int:
         calls = []
+
+        def generate(batch, max_new_tokens=None):
+            calls.append(batch)
+            return {"ssd_stats": {"controller": {"compiling_free": len(calls) <= free}}}
+
         m = SimpleNamespace(kind=kind, option=None, compiled=compiled, engine_compiled=compiled)
         cfg = BenchConfig(tiny=True, warmup=1, max_new_tokens=8)
-        _warm_up(m, ["only batch"], lambda batch, max_new_tokens=None: calls.append(batch), cfg, object(), object(),
-                 SimpleNamespace(update=lambda: None))
+        _warm_up(m, ["only batch"], generate, cfg, object(), object(), SimpleNamespace(update=lambda: None))
         return len(calls)
 
-    assert warm_calls("auto", True) == COMPILE_FREE_CALLS
+    # the free calls, and the first that was not (it says so): the timed ones compile nothing they choose for free
+    assert warm_calls("auto", True) == COMPILE_FREE_CALLS + 1
+    assert warm_calls("auto", True, free=9) == 10  # three of the first calls explored: more free calls
+    assert warm_calls("auto", True, free=100) <= 2 + COMPILE_FREE_MAX_CALLS  # bounded
     assert warm_calls("auto", False) < COMPILE_FREE_CALLS  # eager: nothing compiles in its calls
     assert warm_calls("ssd", True) < COMPILE_FREE_CALLS  # a fixed plan is warm once its graphs are built
 

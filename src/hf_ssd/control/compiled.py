@@ -6,7 +6,8 @@ first calls of a setting (COMPILE_FREE_CALLS) compile whatever plans they choose
 opted into. After that, switching to a plan with new shapes pays its compiles out of the call that switches; the
 controller charges that call a share of them, spread over the call and as many tokens again as this setting has
 generated so far (a process that has run long will likely run as long again), so a plan clearly better in the long
-run still gets compiled, and a call never stalls for a small gain.
+run still gets compiled, and a call never stalls for a small gain. Calls run to measure a plan (explorations) do
+not count towards the free ones (`compiling_free`).
 """
 from __future__ import annotations
 
@@ -23,11 +24,22 @@ COMPILE_PRIOR_S = 5.0  # seconds per graph until this process has measured one
 # loop at 0.65x our compiled SD), and later compiled the plan it should have run from the start, in a timed call
 # that stalled 20 s.
 COMPILE_FREE_CALLS = 6
+# Calls that start on a plan run to measure it (an exploration, a second look) are not counted: they spent the free
+# calls on plans the controller would not choose. At α = 1 (scripts/controller_calls.py) four of the first six calls
+# explored or looked again, K = 5 was compiled at α ≈ 0.96, and K = 8, predicted 1.15x faster once α measured 0.99,
+# was priced with its compile from then on and never ran. At most COMPILE_FREE_MAX_CALLS calls in all are free.
+COMPILE_FREE_MAX_CALLS = 12
 # transformers' compiled decode loop (a plain call on a compiled target) compiles far more than one of our
 # fixed-width forwards: about 21 s against 3 s on the overhead workload. Until a hand-off has measured it, it is
 # priced at this many of ours.
 PLAIN_LOOP_PRIOR_GRAPHS = 5.0
 _PLAIN_LOOP_S: dict[int, float] = {}  # id(target) -> measured seconds transformers' compiled loop took to compile
+
+
+def compiling_free(memory) -> bool:
+    """Does the setting's next call still compile for free (its warm-up, COMPILE_FREE_CALLS)?"""
+    chosen = memory.calls - memory.exploring_calls
+    return chosen < COMPILE_FREE_CALLS and memory.calls < COMPILE_FREE_MAX_CALLS
 
 
 def record_plain_loop_compile(target, seconds: float) -> None:

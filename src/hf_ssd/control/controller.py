@@ -15,7 +15,7 @@ import time
 from dataclasses import replace
 
 from hf_ssd.control.calibration import MIN_ROUNDS, aged_round, calibrated, tail_share
-from hf_ssd.control.compiled import (COMPILE_FREE_CALLS, COMPILE_PRIOR_S, built, compile_share, compiled_in_process,
+from hf_ssd.control.compiled import (COMPILE_PRIOR_S, built, compile_share, compiled_in_process, compiling_free,
                                      graph_seconds, plan_graphs)
 from hf_ssd.control.costs import Costs
 from hf_ssd.control.decision import Decision, Horizon, family, retunable, simpler
@@ -219,8 +219,8 @@ class Controller:
 
     def compile_s(self, plan: Plan, horizon: Horizon, in_loop: bool) -> float:
         """The share of compiling `plan`'s missing graphs this call pays (control.compiled); none in the setting's
-        first COMPILE_FREE_CALLS calls (the user's opted-in warm-up)."""
-        if not self.memory.graphs or self.memory.calls < COMPILE_FREE_CALLS:
+        first COMPILE_FREE_CALLS calls (the user's opted-in warm-up; control.compiled.compiling_free)."""
+        if not self.memory.graphs or compiling_free(self.memory):
             return 0.0
         missing = {g for g in self.graphs(plan, in_loop) if not built(g, self.memory.graphs)
                    and not self._shared(("in process", g), lambda g=g: compiled_in_process(g, self.target, self.draft,

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from hf_ssd.control.compiled import compiling_free
 from hf_ssd.control.controller import Controller
 from hf_ssd.control.decision import Decision, Horizon, family, retunable
 from hf_ssd.control.memory import Memory, TailShare
@@ -305,7 +306,11 @@ def call_record(controller: Controller, decision: Decision, note: str = "") -> d
     """What a call's stats say about the controller: the plan it started on, why, and what it predicted for each
     plan (the same record whether the call then runs a drafter or hands plain decoding to transformers)."""
     return {"choice": decision.plan.label, "reason": decision.reason + note, "switches": [],
-            "predicted": [_row(p) for p in decision.table], "probe_s": round(controller.costs.probe_s, 4)}
+            "predicted": [_row(p) for p in decision.table], "probe_s": round(controller.costs.probe_s, 4),
+            # a plan run to measure it, not the controller's choice (control.exploration)
+            "exploring": decision.choice is not None,
+            # one of the setting's first calls, which compile whatever they choose (control.compiled): a warm-up
+            "compiling_free": compiling_free(controller.memory)}
 
 
 def _row(pred) -> dict:

@@ -251,6 +251,10 @@ class Memory:
     graphs: set = field(default_factory=set)  # compiled graphs the plans that ran have built (control.compiled)
     generated: float = 0.0  # tokens per row committed by the rounds recorded so far
     calls: int = 0  # generate() calls that ended in this setting
+    # ... of which started on a plan run to measure it (an exploration, a second look: Decision.choice), and whether
+    # the running call did: the free compiling calls count the others (control.compiled.compiling_free)
+    exploring_calls: int = 0
+    call_explores: bool = False
     plain_measured_call: int = -(10**9)  # `calls` when a plain call last measured α (control.exploration)
     call_length: CallLength = field(default_factory=CallLength)  # how long calls run here (the horizon's tokens)
     # plan families a call ran to measure them (control.exploration.family_exploration): each is explored once, however
@@ -304,6 +308,8 @@ class Memory:
         the plans that compiled graphs in it (`cold`): their call does not price them, and they may have a second
         look (control.exploration.second_look)."""
         self.calls += 1
+        self.exploring_calls += self.call_explores
+        self.call_explores = False
         for plan, ema in self.round_s.items():
             ema.end_call(cold=plan in self.cold)
         self.second_looks -= self.cold

@@ -107,12 +107,13 @@ def _warm_up(m, batches, generate, cfg, target, draft, bar) -> float:
         import hf_ssd
 
         hf_ssd.warmup(target, draft, draft_process=True, progress=False)
-    calls = 0
+    calls, last = 0, None
 
     def gen(batch, max_new_tokens=None):
-        nonlocal calls
+        nonlocal calls, last
         calls += 1
-        return generate(batch, max_new_tokens=max_new_tokens)
+        last = generate(batch, max_new_tokens=max_new_tokens)
+        return last
 
     n_warm = warmups(cfg, m)
     for w in range(n_warm + (3 if m.compiled else 0)):
@@ -135,10 +136,13 @@ def _warm_up(m, batches, generate, cfg, target, draft, bar) -> float:
     if m.kind == "auto" and m.compiled:
         # the controller's first calls of a setting compile whatever plan they try (control.compiled, the warm-up a
         # user opts into with ssd_compile): at batch 16 one prompt batch left the last of them timed, and one
-        # compiled an int8 draft's graphs there (24 tok/s against ~600)
-        from hf_ssd.control.compiled import COMPILE_FREE_CALLS
+        # compiled an int8 draft's graphs there (24 tok/s against ~600). Warm-up calls until one says it was the
+        # last free one (calls that explore do not count: control.compiled.compiling_free).
+        from hf_ssd.control.compiled import COMPILE_FREE_MAX_CALLS
 
-        for w in range(max(COMPILE_FREE_CALLS - calls, 0)):
+        for w in range(COMPILE_FREE_MAX_CALLS):
+            if not _compiling_free(last):
+                break
             gen(batches[w % len(batches)])
     if m.kind == "auto":
         from hf_ssd.workers import pool
@@ -149,6 +153,13 @@ def _warm_up(m, batches, generate, cfg, target, draft, bar) -> float:
             for batch in batches:
                 gen(batch)
     return time.perf_counter() - t0
+
+
+def _compiling_free(result) -> bool:
+    """Did the call that returned `result` compile for free (one of its setting's first calls), or is that
+    unknown (no call yet, no controller record)? Then the next call may too."""
+    controller = ((result or {}).get("ssd_stats") or {}).get("controller") or {}
+    return controller.get("compiling_free", True)
 
 
 def _greedy_check(m, r, temp, rep, key, plain_out) -> bool | None:
