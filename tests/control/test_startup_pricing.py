@@ -176,3 +176,14 @@ def test_generate_records_how_long_each_call_ran(monkeypatch):
     assert out.shape[1] - ids.shape[1] == made
     assert memory.call_length.tokens == pytest.approx(0.9 * 10 + made)
     assert memory.call_length.ended == pytest.approx(1.0)
+
+
+def test_a_synchronous_plan_s_start_does_not_grow_with_K():
+    """A synchronous plan's first K drafts are its first round's, priced in its rounds: its start is the draft's
+    prefill whatever K. (Priced at eager draft steps, K = 8 paid a call's 25 ms more than K = 2 on the overhead
+    workload, and `ssd=True` ran K = 2 at α = 1.) An SSD plan's first speculation is drafted before the first verify,
+    with nothing to hide under: it grows with K."""
+    ctl = controller()
+    assert ctl.startup_model(Plan("sync", 8), 500) == ctl.startup_model(Plan("sync", 2), 500) > 0
+    assert ctl.startup_model(Plan("ssd", 8, 4, "thread"), 500) > ctl.startup_model(Plan("ssd", 2, 4, "thread"), 500)
+    assert ctl.startup_s(Plan("sync", 8), 500) == ctl.startup_s(Plan("sync", 1), 500)  # calibrated too

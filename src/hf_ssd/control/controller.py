@@ -239,11 +239,16 @@ class Controller:
 
     def startup_model(self, plan: Plan, context: int) -> float:
         """Modelled seconds of starting `plan`'s drafter on `context` tokens per row: the draft's prefill (all
-        threads: the target waits for it) and its first K drafts. Plain decoding has no draft to start."""
+        threads: the target waits for it) and, for SSD, its first K drafts (the first speculation, drafted before
+        the first verify with nothing to hide under). A synchronous plan's first drafts are its first round's, priced
+        in its rounds like every round's: priced here too, at the eager draft step's cost, they charged sync K = 8 a
+        call's 25 ms more than K = 2 on the overhead workload (compiled steps take 0.6 ms), and at α = 1 `ssd=True`
+        ran K = 2 there. Plain decoding has no draft to start."""
         if plan.mode == "plain":
             return 0.0
         draft = self.costs.draft(False, plan.int8)
-        return draft(context) + plan.K * draft(1)
+        first_drafts = plan.K if plan.mode == "ssd" else 0
+        return draft(context) + first_drafts * draft(1)
 
     def startup_s(self, plan: Plan, context: int) -> float:
         """startup_model, calibrated by the starts measured so far (a long prefill is compute-bound: the cost
