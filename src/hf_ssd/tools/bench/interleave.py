@@ -107,11 +107,10 @@ def _warm_up(m, batches, generate, cfg, target, draft, bar) -> float:
         import hf_ssd
 
         hf_ssd.warmup(target, draft, draft_process=True, progress=False)
-    calls, last = 0, None
+    last = None  # the latest warm-up call's result: whether it still compiled for free
 
     def gen(batch, max_new_tokens=None):
-        nonlocal calls, last
-        calls += 1
+        nonlocal last
         last = generate(batch, max_new_tokens=max_new_tokens)
         return last
 
