@@ -28,6 +28,9 @@ def main() -> None:
     ap.add_argument("--reason-chars", type=int, default=160, help="how much of each call's reason to print")
     ap.add_argument("--table", action="store_true", help="print each call's best few plans as its decision priced them")
     ap.add_argument("--caches", action="store_true", help="print the in-process static caches after each call")
+    ap.add_argument("--families", type=int, default=0, metavar="N",
+                    help="after each call, price every plan as a call's start would (on this call's prompt) and "
+                         "print each drafting family's N fastest, with their round's parts and start")
     args = ap.parse_args()
 
     import hf_ssd
@@ -36,6 +39,17 @@ def main() -> None:
     from hf_ssd.tools.bench.overhead import overhead_pair
     from hf_ssd.tools.prompts import format_chat, load_prompts
 
+    from hf_ssd.control.controller import Controller
+    from hf_ssd.control.decision import family
+
+    last = {}  # the controller of the latest decision, to price every plan after the call
+    decide = Controller.decide
+
+    def remembering(self, *a, **kw):
+        last["controller"] = self
+        return decide(self, *a, **kw)
+
+    Controller.decide = remembering
     target, draft, tok = overhead_pair(args.alpha_noise)
     print("warmup:", hf_ssd.warmup(target, draft, draft_process=True, progress=False).get("draft_process"))
     prompts = [torch.tensor([tok.encode(format_chat(tok, r["prompt"]))[-args.max_prompt_tokens:]])
@@ -69,6 +83,20 @@ def main() -> None:
                                                                     if "compile_s" in r else "")
                     for r in control.get("predicted") or []]
             print(f"         predicted: {'; '.join(rows)}", flush=True)
+        if args.families and "controller" in last:
+            ctl = last["controller"]
+            preds = sorted((ctl.predict(p, aged=True) for p in ctl.plans), key=lambda x: -x.tokens_per_s)
+            horizon = ctl.horizon(args.max_new_tokens, ids.shape[1])
+            for x in preds:
+                ctl._price_call(x, horizon, None)
+            listed = ctl.memory.shortlist.plans if ctl.memory.shortlist is not None else ()
+            for fam in sorted({family(p.plan) for p in preds} - {"plain"}):
+                rows = [f"{x.plan.label}{'' if ctl.measured(x.plan) else ' (untried)'}"
+                        f"{'' if x.plan in listed else ' (not shortlisted)'}: {x.tokens_per_s:.0f}, "
+                        f"{x.call_tokens_per_s:.0f} over a call ("
+                        f"{', '.join(f'{k} {v * 1e3:.1f}' for k, v in x.parts.items())}, start {x.startup_s * 1e3:.1f} ms)"
+                        for x in [x for x in preds if family(x.plan) == fam][:args.families]]
+                print(f"         {fam}: {'; '.join(rows)}", flush=True)
         if args.caches:
             print(f"         static caches (slots, compiled widths, compile s): {caches}", flush=True)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from hf_ssd.control import shortlist as shortlist_mod
 from hf_ssd.control.controller import Controller
 from hf_ssd.control.memory import Memory
@@ -42,6 +44,23 @@ def test_decisions_between_full_evaluations_predict_only_the_shortlist(monkeypat
     seen.clear()
     ctl.decide(current=first.plan)  # its decisions are used up: a full evaluation again
     assert set(seen) == set(ctl.plans)
+
+
+def test_a_move_in_alpha_brings_a_full_evaluation_back(monkeypatch):
+    """The best budget of each K moves with α: a shortlist made at α = 0.7 is not used at α = 0.7 + the allowed
+    move (a code answer after chat ones), while a smaller move keeps it."""
+    memory = Memory()
+    _controller(costs(), alpha=0.7, memory=memory).decide()
+    near = _controller(costs(), alpha=0.7 + shortlist_mod.SHORTLIST_ALPHA_MOVE / 2, memory=memory)
+    seen = _counting(monkeypatch, near)
+    near.decide()
+    assert set(seen) < set(near.plans)
+    moved = 0.7 + 1.01 * shortlist_mod.SHORTLIST_ALPHA_MOVE
+    far = _controller(costs(), alpha=moved, memory=memory)
+    seen = _counting(monkeypatch, far)
+    far.decide()
+    assert set(seen) == set(far.plans)
+    assert memory.shortlist.alpha == pytest.approx(moved)
 
 
 def test_other_candidates_get_a_full_evaluation(monkeypatch):

@@ -187,3 +187,22 @@ def test_a_synchronous_plan_s_start_does_not_grow_with_K():
     assert ctl.startup_model(Plan("sync", 8), 500) == ctl.startup_model(Plan("sync", 2), 500) > 0
     assert ctl.startup_model(Plan("ssd", 8, 4, "thread"), 500) > ctl.startup_model(Plan("ssd", 2, 4, "thread"), 500)
     assert ctl.startup_s(Plan("sync", 8), 500) == ctl.startup_s(Plan("sync", 1), 500)  # calibrated too
+
+
+def test_a_compiled_ssd_plan_s_first_speculation_is_priced_at_its_compiled_steps():
+    """With a compiled draft whose trees have run, an SSD plan's first K drafts are priced as its JIT backup (K
+    compiled one-token steps), not K eager steps: still growing with K, no longer by the eager step's cost."""
+    from hf_ssd.control.tree_cost import TreeCost
+
+    ctl = Controller(costs(), Memory(), BATCH, {}, fixed_alpha=0.8, draft_compiled=True)
+    k8, k2 = Plan("ssd", 8, 4, "thread"), Plan("ssd", 2, 4, "thread")
+    eager = ctl.startup_model(k8, 500)
+    prefill = ctl.startup_model(Plan("sync", 8), 500)
+    assert eager == pytest.approx(prefill + 8 * ctl.costs.draft(False, False)(1))  # nothing compiled ran yet
+    trees = TreeCost()  # K = 2 trees of 4 branches: forwards of 3, 4 and 5 tokens per row, ~1 ms each
+    for _ in range(3):
+        trees.add(0.0045, {3: (0.001, 1), 4: (0.001, 1), 1: (0.0009, 1)})
+    ctl.memory.lines[("tree", "ssd:thread", False)] = trees
+    compiled = ctl.startup_model(k8, 500)
+    assert compiled == pytest.approx(prefill + ctl.model(k8).parts["backup"])
+    assert prefill < ctl.startup_model(k2, 500) < compiled < eager

@@ -20,7 +20,7 @@ from hf_ssd.control.compiled import (COMPILE_PRIOR_S, built, compile_share, comp
 from hf_ssd.control.costs import Costs
 from hf_ssd.control.decision import Decision, Horizon, family, retunable, simpler
 from hf_ssd.control.exploration import (alpha_exploration, family_exploration, second_look, still_exploring,
-                                        untried_score)
+                                        untried_look, untried_score)
 from hf_ssd.control.gc_quiet import collections_paused
 from hf_ssd.control.learned_line import LearnedLine, measured_parts, tree_forwards
 from hf_ssd.control.memory import Memory, Tally, Yield
@@ -243,12 +243,18 @@ class Controller:
         the first verify with nothing to hide under). A synchronous plan's first drafts are its first round's, priced
         in its rounds like every round's: priced here too, at the eager draft step's cost, they charged sync K = 8 a
         call's 25 ms more than K = 2 on the overhead workload (compiled steps take 0.6 ms), and at α = 1 `ssd=True`
-        ran K = 2 there. Plain decoding has no draft to start."""
+        ran K = 2 there. Plain decoding has no draft to start.
+
+        A compiled draft's first speculation runs its compiled steps, priced as an SSD miss's JIT backup (K steps
+        of one token): at the eager step's cost (~4 ms against ~1 ms on the overhead workload's draft process) SSD
+        K = 8 paid a 64-token call's 25 ms more than K = 2, and lost to it by the 3% a simpler plan may lose by."""
         if plan.mode == "plain":
             return 0.0
         draft = self.costs.draft(False, plan.int8)
-        first_drafts = plan.K if plan.mode == "ssd" else 0
-        return draft(context) + first_drafts * draft(1)
+        if plan.mode != "ssd":
+            return draft(context)
+        compiled = self.compiled_parts(plan).get("backup") if self.draft_compiled else None
+        return draft(context) + (compiled if compiled is not None else plan.K * draft(1))
 
     def startup_s(self, plan: Plan, context: int) -> float:
         """startup_model, calibrated by the starts measured so far (a long prefill is compute-bound: the cost
@@ -313,7 +319,7 @@ class Controller:
         may be faster with plain decoding even where drafting wins per round."""
         began = time.perf_counter()
         shortlist = self.memory.shortlist
-        full = shortlist is None or not shortlist.usable(self.plans_key)
+        full = shortlist is None or not shortlist.usable(self.plans_key, self.acceptance().alpha)
         plans = self.plans if full else shortlist.restrict(self.plans, current)
         self._memo = {}
         try:
@@ -336,7 +342,7 @@ class Controller:
                  else (lambda pred: pred.call_tokens_per_s))
         preds.sort(key=lambda x: -score(x))
         if full:
-            self.memory.shortlist = make_shortlist(preds, self.plans_key, family)
+            self.memory.shortlist = make_shortlist(preds, self.plans_key, family, self.acceptance().alpha)
         best = preds[0]
         # Among plans within 3% of the fastest, take the simplest (plain, sync, ssd; then the smallest tree): less
         # that can go wrong and less work for the same predicted speed.
@@ -350,7 +356,8 @@ class Controller:
             if explore is not None:
                 return explore
         if current is None:
-            explore = family_exploration(self, preds, best, ran) or second_look(self, preds, best)
+            explore = (family_exploration(self, preds, best, ran) or untried_look(self, preds, best, ran)
+                       or second_look(self, preds, best))
             if explore is not None:
                 return explore
         if current is not None and current.mode != "plain" and best.plan.mode == "plain":
@@ -430,7 +437,7 @@ class Controller:
         # each call asks: between full evaluations only a shortlist, as decisions do (a full one took 11 ms of the
         # call's first token on the overhead workload)
         listed, key = self.memory.process_shortlist, candidates_key(plans)
-        full = listed is None or not listed.usable(key)
+        full = listed is None or not listed.usable(key, self.acceptance().alpha)
         plans = plans if full else listed.restrict(plans, None)
         self._memo = {}
         try:
@@ -447,7 +454,7 @@ class Controller:
             self._memo = None
         preds.sort(key=lambda x: -x.call_tokens_per_s)
         if full:
-            self.memory.process_shortlist = make_shortlist(preds, key, family)
+            self.memory.process_shortlist = make_shortlist(preds, key, family, self.acceptance().alpha)
         best = preds[0]
         return best if best.call_tokens_per_s >= now.call_tokens_per_s * SWITCH_GAIN else None
 

@@ -4,7 +4,9 @@ and the acceptance it prices with are only as good as what has run, and a plan t
 At a call's start: plain decoding measures no α, so while α rests on few rounds a call that would start plain
 drafts instead (`alpha_exploration`); an untried plan of a family that has run needs a clear predicted gain over
 its measured siblings (`untried_score`); a drafting family that has never run gets one call if it is predicted
-close to the choice (`family_exploration`); and a plan that one call measured, cold, gets a second (`second_look`).
+close to the choice (`family_exploration`); while compiling is free, the best untried plan of each family that has run
+gets one call if it is predicted close to the choice (`untried_look`); and a plan that one call measured, cold, gets a
+second (`second_look`).
 A call that runs plain may have its draft read α off the answer afterwards (`plain_measurement`). Every plan is
 exact: exploring costs speed, never the output law.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from hf_ssd.control.compiled import compiling_free
 from hf_ssd.control.decision import Decision, Horizon, family
 from hf_ssd.control.plain_acceptance import CHUNK
 from hf_ssd.control.plan import Plan, Prediction
@@ -47,6 +50,15 @@ UNTRIED_GAIN = 1.05
 # predicted within FAMILY_EXPLORE_WITHIN of it runs one call (its rounds then price it): unexplored, compiled sync
 # SD was priced at 182 tok/s, never ran, and ran at 215 where the chosen SSD plan ran at 173.
 FAMILY_EXPLORE_WITHIN = 0.85
+# An untried plan of a family that has run is priced by extrapolating its siblings' measured rounds, and that is
+# least sure for a K far from theirs: on the overhead workload at α = 1 the SSD trees measured at K = 2 (4 branches
+# on a draft process) priced SSD K = 8 with 2 branches at ~590 tok/s, below compiled sync K = 8 (~615, measured); it
+# ran at 778 against sync's 659 in the hand-picked rows, and `ssd=True` ran sync K = 8 in 35 of 36 calls. While the
+# setting still compiles for free (control.compiled.compiling_free), the fastest untried plan of each family that has
+# run gets one call if it is predicted within UNTRIED_LOOK_WITHIN of the choice: its compiles are the warm-up's then,
+# and later they are charged to the call that switches, which a gain of tens of percent over a few calls never repays.
+# Only with compiled forwards: eager plans are priced off cost lines timed width by width, not extrapolated.
+UNTRIED_LOOK_WITHIN = 0.80
 
 # A plan's first call is its coldest: its compiled graphs run for the first time, a fresh draft process touches its
 # weights, and the machine's drift is not averaged out. A plan that only one call has measured, priced within
@@ -100,6 +112,32 @@ def family_exploration(ctl: Controller, preds: list[Prediction], best: Predictio
                         f"prediction ({pred.call_tokens_per_s:.2f} tok/s, from the cost model) is within "
                         f"{1 - FAMILY_EXPLORE_WITHIN:.0%} of the choice")
     return None
+
+
+def untried_look(ctl: Controller, preds: list[Prediction], best: Prediction, ran: set[str]) -> Decision | None:
+    """A drafting family's fastest plan, where that has a K the family (`ran`: one that has run) has not run (its
+    budgets at a measured K are priced off their own forwards' widths, not extrapolated) and the family has had no
+    such look yet, and it is predicted within UNTRIED_LOOK_WITHIN of `best` (itself measured), while compiling is
+    free and something runs compiled; once per family."""
+    if not (ctl.draft_compiled or ctl.plain_compiled) or not compiling_free(ctl.memory) or not ctl.measured(best.plan):
+        return None
+    measured_K = {(family(p), p.K) for p in ctl.memory.round_s if ctl.measured(p)}
+    tops: dict[str, Prediction] = {}  # each family's fastest plan
+    for pred in preds:
+        top = tops.setdefault(family(pred.plan), pred)
+        if pred.call_tokens_per_s > top.call_tokens_per_s:
+            tops[family(pred.plan)] = pred
+    looks = [pred for fam, pred in tops.items()
+             if pred.plan.mode != "plain" and fam in ran and fam not in ctl.memory.untried_looks
+             and (fam, pred.plan.K) not in measured_K
+             and pred.call_tokens_per_s >= UNTRIED_LOOK_WITHIN * best.call_tokens_per_s]
+    if not looks:
+        return None
+    pred = max(looks, key=lambda p: p.call_tokens_per_s)
+    ctl.memory.untried_looks.add(family(pred.plan))
+    return _explore(ctl, pred, best, preds, f"a look at {pred.plan.label} ({pred.call_tokens_per_s:.2f} tok/s, "
+                    f"within {1 - UNTRIED_LOOK_WITHIN:.0%} of the choice): it has not run, its price is extrapolated "
+                    f"from its family's other plans, and its compiles are still the warm-up's")
 
 
 def _explore(ctl: Controller, pred: Prediction, best: Prediction, preds: list[Prediction], why: str) -> Decision:

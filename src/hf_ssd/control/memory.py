@@ -262,6 +262,7 @@ class Memory:
     explored: set = field(default_factory=set)
     exploring: Plan | None = None
     second_looks: set = field(default_factory=set)  # plans a call ran again after one cold call priced them
+    untried_looks: set = field(default_factory=set)  # families whose best untried plan a call ran (untried_look)
     # plans that compiled graphs in the running call (here or in their draft process). Their rounds between compiles
     # still ran beside the compiler and the first runs of new graphs: in a fresh process, `ssd=True` priced SSD
     # with the process worker at 14.4 ms a round from a call that compiled for 35 s (its warm rounds took 9 ms),
