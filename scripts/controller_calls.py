@@ -94,7 +94,8 @@ def main() -> None:
                 rows = [f"{x.plan.label}{'' if ctl.measured(x.plan) else ' (untried)'}"
                         f"{'' if x.plan in listed else ' (not shortlisted)'}: {x.tokens_per_s:.0f}, "
                         f"{x.call_tokens_per_s:.0f} over a call ("
-                        f"{', '.join(f'{k} {v * 1e3:.1f}' for k, v in x.parts.items())}, start {x.startup_s * 1e3:.1f} ms)"
+                        f"{', '.join(f'{k} {v * 1e3:.1f}' for k, v in x.parts.items())}, "
+                        f"start {x.startup_s * 1e3:.1f} ms)"
                         for x in [x for x in preds if family(x.plan) == fam][:args.families]]
                 print(f"         {fam}: {'; '.join(rows)}", flush=True)
         if args.caches:

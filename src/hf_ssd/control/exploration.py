@@ -4,9 +4,9 @@ and the acceptance it prices with are only as good as what has run, and a plan t
 At a call's start: plain decoding measures no α, so while α rests on few rounds a call that would start plain
 drafts instead (`alpha_exploration`); an untried plan of a family that has run needs a clear predicted gain over
 its measured siblings (`untried_score`); a drafting family that has never run gets one call if it is predicted
-close to the choice (`family_exploration`); while compiling is free, the best untried plan of each family that has run
-gets one call if it is predicted close to the choice (`untried_look`); and a plan that one call measured, cold, gets a
-second (`second_look`).
+close to the choice (`family_exploration`); while compiling is free, a family that has run gets one call of its
+fastest plan where that has a K the family has not run and is predicted close to the choice (`untried_look`); and a
+plan that one call measured, cold, gets a second (`second_look`).
 A call that runs plain may have its draft read α off the answer afterwards (`plain_measurement`). Every plan is
 exact: exploring costs speed, never the output law.
 """
@@ -24,9 +24,9 @@ if TYPE_CHECKING:
     from hf_ssd.control.controller import Controller
 
 # Plain decoding observes no acceptance: chosen on the prior α (or on a few unlucky rounds), it would be chosen
-# forever. Until α rests on this many drafting rounds (a batch's rows each count as one), a call that would start plain runs the best drafting plan
-# instead, if that is predicted within EXPLORE_WITHIN of plain; its rounds measure α, and a mid-call decision
-# switches to plain where its rounds rule drafting out (controller.SWITCH_OPTIMISM).
+# forever. Until α rests on this many drafting rounds (a batch's rows each count as one), a call that would start
+# plain runs the best drafting plan instead, if that is predicted within EXPLORE_WITHIN of plain; its rounds measure
+# α, and a mid-call decision switches to plain where its rounds rule drafting out (controller.SWITCH_OPTIMISM).
 EXPLORE_ROUNDS = 32
 EXPLORE_WITHIN = 0.80
 # A call that runs plain while drafting is predicted within MEASURE_WITHIN of it has its draft measure α along the
