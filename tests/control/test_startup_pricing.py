@@ -33,10 +33,10 @@ def test_a_long_prompt_and_few_new_tokens_make_plain_the_fastest_call():
     assert per_round.plan.mode != "plain"  # per round, drafting wins at alpha 0.8
     short = ctl.decide(horizon=Horizon(tokens=16, context=2000))  # the draft's prefill: ~1 s; plain's call: ~1.6 s
     assert short.plan.mode == "plain"
-    assert "over this call with its draft prefill" in short.reason
+    assert "over this call with its prefill" in short.reason
     long_ = ctl.decide(horizon=Horizon(tokens=512, context=2000))
     assert long_.plan.mode != "plain"
-    assert "over this call with its draft prefill" in long_.reason
+    assert "over this call with its prefills" in long_.reason
 
 
 def test_the_running_plan_pays_no_start_and_a_switch_does():
@@ -206,3 +206,52 @@ def test_a_compiled_ssd_plan_s_first_speculation_is_priced_at_its_compiled_steps
     compiled = ctl.startup_model(k8, 500)
     assert compiled == pytest.approx(prefill + ctl.model(k8).parts["backup"])
     assert prefill < ctl.startup_model(k2, 500) < compiled < eager
+
+
+def test_a_call_s_start_prices_the_target_prefill_of_its_path():
+    """Plain decoding prefills in transformers' loop, a draft plan in ours, which prefills rows of similar length
+    together (runtime.prefill). At a call's start each plan pays its path's prefill as measured per prompt column;
+    the same for every plan while only one path has run; nothing mid-call (the target has prefilled already)."""
+    from hf_ssd.control.memory import record_prefill
+
+    ctl = controller()
+    start = Horizon(tokens=64, context=500)
+    plans = [Plan("plain"), Plan("sync", 3), Plan("ssd", 3, 4, "thread", threads=(1, 1))]
+
+    def prefills(current=None):
+        preds = [ctl.predict(plan) for plan in plans]
+        for pred in preds:
+            ctl._price_call(pred, start, current)
+        return [pred.parts.get("prefill") for pred in preds]
+
+    assert prefills() == [0.0] * 3  # nothing measured
+    for _ in range(3):
+        record_prefill(ctl.memory, "plain", 0.4, 200)
+    assert prefills() == pytest.approx([1.0] * 3)  # plain's price for every plan
+    for _ in range(3):
+        record_prefill(ctl.memory, "engine", 0.2, 200)
+    assert prefills() == pytest.approx([1.0, 0.5, 0.5])
+    plain = ctl.predict(Plan("plain"))
+    ctl._price_call(plain, Horizon(tokens=16, context=2000), None)
+    assert plain.startup_s == pytest.approx(4.0)
+    assert "over this call with its prefill (4.0 s)" in ctl.explain(plain, [plain])
+    assert prefills(current=Plan("sync", 4)) == [None] * 3
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["our loop", "plain hand-off"])
+def test_generate_records_the_target_prefill_of_the_path_it_ran(monkeypatch, plain):
+    from hf_ssd import session
+    from hf_ssd.control import controller as ctl_mod
+
+    memory = Memory()
+    monkeypatch.setattr(session, "memory_for", lambda key: memory)
+    chosen = Plan("plain") if plain else Plan("sync", 3)
+    monkeypatch.setattr(ctl_mod.Controller, "decide",
+                        lambda self, current=None, horizon=None: ctl_mod.Decision(chosen, "test", []))
+    p = get_pair("llama")
+    ids, mask = left_pad([prompt(9, seed=11)[0], prompt(4, seed=12)[0]])
+    out = p.target.generate(ids, attention_mask=mask, assistant_model=p.related, ssd=True, max_new_tokens=6,
+                            do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    path = "plain" if plain else "engine"
+    assert list(memory.prefill) == [path] and 0 < memory.prefill[path].value < 1
+    assert (out.ssd_stats["target_prefill_s"] is None) == plain

@@ -29,6 +29,7 @@ from transformers import (
 
 import hf_ssd.draft.model as draft_mod
 import hf_ssd.runtime.engine as engine_mod
+import hf_ssd.runtime.prefill as prefill_mod
 from hf_ssd.core.sampling import sample, saguaro_probs
 from hf_ssd.core.verify import verify_sampled
 from hf_ssd.testing import noisy_copy, tiny_llama
@@ -230,11 +231,18 @@ def test_a_carried_over_tree_with_wrong_q_is_rejected(models, monkeypatch):
     assert pv < ALPHA, f"the check failed to reject misaligned q (p={pv:.3f}, tv={tvs})"
 
 
-def test_mixed_batch_rows_with_different_prompts(models):
-    """Rows of the same batch with different prompts (left padding) each follow their own exact distribution."""
+@pytest.mark.parametrize("grouped", [False, True], ids=["padded prefill", "grouped prefill"])
+def test_mixed_batch_rows_with_different_prompts(models, monkeypatch, grouped):
+    """Rows of the same batch with different prompts (left padding) each follow their own exact distribution, also
+    where each prompt's rows are prefilled apart (runtime.prefill)."""
+    monkeypatch.setattr(prefill_mod, "GROUPED_AT_MOST", 1.0 if grouped else 0.0)  # 0: never groups
+    calls = []
+    real = prefill_mod.padding_groups
+    monkeypatch.setattr(prefill_mod, "padding_groups", lambda *a: calls.append(real(*a)) or calls[-1])
     pv, tvs, s = check(models, [PROMPT_B, PROMPT_A], seed=11, warp=dict(temperature=0.9),
                        ssd_num_draft_tokens=2, ssd_fanout=[1, 1, 1], ssd_backup="ngram")
     assert pv > ALPHA, (pv, tvs, s)
+    assert calls and all((c is not None) == grouped for c in calls)
 
 
 # ---- negative controls: the same check must reject biased samplers --------------------------------------------------

@@ -261,6 +261,14 @@ class Controller:
         line, timed on short forwards, may be off by a constant factor)."""
         return self.startup_model(plan, context) * self.memory.startup_ratio(family(plan))
 
+    def target_prefill_s(self, plan: Plan, context: int) -> float:
+        """The target's prefill of `context` prompt columns in a call starting on `plan`: plain decoding runs it in
+        transformers' loop, a draft plan in ours, which prefills rows of similar length together (runtime.prefill:
+        about half the compute of a padded batch of MT-Bench prompts at batch 4). As measured here (Memory.prefill);
+        the same for every plan until both have run. A plain call that cannot be handed off (a generator given)
+        prefills in our loop but is priced as handed off."""
+        return self.memory.prefill_column_s("plain" if plan.mode == "plain" else "engine") * context
+
     def record_startup(self, plan: Plan, context: int, seconds: float) -> None:
         modelled = self.startup_model(plan, context)
         if modelled > 0:
@@ -380,6 +388,10 @@ class Controller:
             return
         compiling = self.compile_s(pred.plan, horizon, in_loop=current is not None)
         restart = 0.0 if retunable(current, pred.plan) else self.startup_s(pred.plan, horizon.context)
+        if current is None:  # a call's start: the target's prefill too, which costs less in our loop
+            prefill = self.target_prefill_s(pred.plan, horizon.context)
+            restart += prefill
+            pred.parts = {**pred.parts, "prefill": prefill}
         pred.startup_s = restart + compiling
         if compiling > 0:
             pred.parts = {**pred.parts, "compile": compiling}
@@ -478,9 +490,10 @@ class Controller:
 
 
 def _with_startup(pred: Prediction) -> str:
-    """', X tok/s over this call with its draft prefill (Y s)' where a start-up (and compiling) was priced in."""
+    """', X tok/s over this call with its prefills (Y s)' where a start-up (and compiling) was priced in."""
     if pred.startup_s <= 0 or pred.horizon <= 0:
         return ""
     compiling = pred.parts.get("compile", 0.0)
-    what = f"its draft prefill and {compiling:.1f} s of compiling" if compiling > 0 else "its draft prefill"
+    what = "its prefill" if pred.plan.mode == "plain" else "its prefills"
+    what += f" and {compiling:.1f} s of compiling" if compiling > 0 else ""
     return f", {pred.call_tokens_per_s:.2f} over this call with {what} ({pred.startup_s:.1f} s)"

@@ -239,6 +239,10 @@ class Memory:
     # measured / modelled seconds of a drafter's start (its prefill and first drafts), per plan family: what a draft
     # plan costs a call before its first round (startup_ratio)
     startup: dict[str, Ema] = field(default_factory=dict)
+    # the target's prefill in seconds per prompt column, by path: "plain" (transformers' own loop, after a hand-off)
+    # and "engine" (ours, rows of similar length prefilled together: runtime.prefill); a call's start in each
+    # (Controller.target_prefill_s)
+    prefill: dict[str, Ema] = field(default_factory=dict)
     # measured / modelled seconds of the target's verify in draft plans: how much faster the target's own forward
     # runs than its eager cost line (a compiled target), the best guide to a compiled plain step not yet measured
     verify: Ema = field(default_factory=Ema)
@@ -304,6 +308,14 @@ class Memory:
         measured = [e.value for e in self.startup.values() if e.value is not None]
         return max(measured) if measured else 1.0
 
+    def prefill_column_s(self, path: str) -> float:
+        """Seconds per prompt column of the target's prefill on `path` ("plain" or "engine"); where it has not run,
+        the other's (then the two price the same), and 0 before either has."""
+        for e in (self.prefill.get(path), *self.prefill.values()):
+            if e is not None and e.value is not None:
+                return e.value
+        return 0.0
+
     def end_call(self) -> None:
         """A generate() call ended: each plan's rounds in it become one call mean (Ema.settled), except those of
         the plans that compiled graphs in it (`cold`): their call does not price them, and they may have a second
@@ -346,6 +358,12 @@ _MEMORY: dict[tuple, Memory] = {}
 
 def memory_for(key: tuple) -> Memory:
     return _MEMORY.setdefault(key, Memory())
+
+
+def record_prefill(memory: Memory, path: str, seconds: float, columns: int) -> None:
+    """The target's prefill of `columns` prompt columns took `seconds` on `path` (Memory.prefill)."""
+    if columns > 0 and seconds > 0:
+        memory.prefill.setdefault(path, Ema()).add(seconds / columns)
 
 
 def record_plain(memory: Memory, step_s: float, steps: int, rows_share: float = 1.0) -> None:

@@ -10,6 +10,7 @@ from transformers import LogitsProcessorList, PreTrainedModel
 
 from hf_ssd.core.types import SOURCE_JIT, Speculation
 from hf_ssd.runtime.kv import CachedModel
+from hf_ssd.runtime.prefill import prefill_prompt
 from hf_ssd.runtime.processing import INPUT_INDEPENDENT
 from hf_ssd.core.sampling import sample, saguaro_probs
 
@@ -58,9 +59,7 @@ class DraftModel:
     # ---- cache --------------------------------------------------------------------------------------------------
     def prefill(self, prompt: torch.Tensor, mask: torch.Tensor) -> None:
         """Feed all prompt tokens but the last (the last is fed with the first drafts)."""
-        if prompt.shape[1] > 1:
-            positions = (mask.long().cumsum(dim=1) - 1).clamp_min(0)
-            self.kv.forward(prompt[:, :-1], positions[:, :-1], mask[:, :-1].bool(), prefill=True)
+        prefill_prompt(self.kv, prompt, mask)
 
     def jit(
         self,

@@ -19,7 +19,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_ssd.config import SSDConfig, config_from_kwargs
 from hf_ssd.control.compiled import record_plain_loop_compile
-from hf_ssd.control.memory import record_plain
+from hf_ssd.control.memory import record_plain, record_prefill
 from hf_ssd.control.plain_acceptance import answer_mask
 from hf_ssd.hf.plain_hand_off import DecodeClock, compiled_graphs, use_static_cache
 from hf_ssd.workers import pool
@@ -201,6 +201,9 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
                 answer = sequences[:, input_ids.shape[1]:]
                 made = float(answer_mask(answer, _eos_ids(generation_config)).float().mean())
                 record_plain(stats.controller_memory, step_s, answer.shape[1] - 1, rows_share=made)
+            quiet = not (compiled or busy or pool.starting())  # its prefill was the call's alone
+            if stats.controller_memory is not None and clock.first is not None and quiet:
+                record_prefill(stats.controller_memory, "plain", clock.first - start, input_ids.shape[1] - 1)
             if compiled and clock.first is not None:  # what compiling took: the slow steps, else the whole loop
                 record_plain_loop_compile(model, clock.compile_s if step_s is not None else end - clock.first)
             if probe is not None:
@@ -209,6 +212,8 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
     finally:
         if streamer is not None and not handed_off:
             streamer.end()
+    if stats.controller_memory is not None and not handed_off and stats.target_prefill_s is not None:
+        record_prefill(stats.controller_memory, "engine", stats.target_prefill_s, input_ids.shape[1] - 1)
     if stats.controller_memory is not None:  # how long calls run here: the next calls' horizon
         made = sequences.shape[1] - input_ids.shape[1] if handed_off else max(len(t) for t in rows.tokens)
         stats.controller_memory.call_length.add(made, ended=made < generation_config.max_length - input_ids.shape[1])

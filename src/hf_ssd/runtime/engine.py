@@ -18,6 +18,7 @@ from hf_ssd.core.types import DraftResult, Outcome, Speculation, Verdict
 from hf_ssd.core.verify import draft_slots, verify_greedy, verify_sampled
 from hf_ssd.runtime.history import History
 from hf_ssd.runtime.kv import CachedModel
+from hf_ssd.runtime.prefill import prefill_prompt
 from hf_ssd.runtime.processing import group_by_length, process_block
 from hf_ssd.runtime.stats import RoundRecord, SSDStats
 
@@ -61,9 +62,11 @@ class Engine:
             setattr(self.stats, name, [0] * B)
         rows = torch.arange(B)  # original index of each active row
         positions = (mask.long().cumsum(dim=1) - 1).clamp_min(0)
-        self.drafter.prepare(prompt, mask)  # a draft process prefills while the target does
-        if prompt.shape[1] > 1:
-            self.target.forward(prompt[:, :-1], positions[:, :-1], mask[:, :-1].bool(), prefill=True)
+        overlapped = self.drafter.prepare(prompt, mask)  # a draft process prefills while the target does
+        prefill_span = DeviceSpan(self.target.device)
+        prefill_prompt(self.target, prompt, mask)
+        if not overlapped and prompt.shape[1] > 1:  # what it costs alone: the controller prices a call's start by it
+            self.stats.target_prefill_s = prefill_span.stop().seconds()
         next_pos = positions[:, -1].to(self.target.device)
         spec = self.drafter.start(prompt, mask)
         while rows.numel() > 0:

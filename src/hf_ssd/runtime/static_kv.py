@@ -40,16 +40,14 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import StaticLayer
 
 from hf_ssd.runtime import static_registry
-from hf_ssd.runtime.kv import attention_layout, cache_argument, input_device, position_limit, prefill_logits_argument
+from hf_ssd.runtime.kv import (CAUSAL_PREFILL_MODELS, attention_layout, cache_argument, input_device, layer_kv,
+                               position_limit, prefill_logits_argument)
 from hf_ssd.runtime.packed_attention import slot_view
 from hf_ssd.runtime.slot_step import SlotAttend, dense, slot_step
 from hf_ssd.runtime.static_registry import Entry, acquire, release
 
 COMPILE_ENABLED = True  # False: the static path runs eagerly even when compile is asked for (debugging, tests)
 BUCKET = 256  # the smallest M; larger ones are powers of two, so prompts of many lengths share buffers and graphs
-# model families whose unpadded prefill runs with no mask (StaticCachedModel._plain_causal); each is checked against
-# the masked prefill in tests
-CAUSAL_PREFILL_MODELS = ("llama", "qwen2", "qwen3", "gpt2", "gpt_neox")
 # Compiled and eager slot forwards attend over a view of the first L slots, L = VIEW_BUCKET times a power of two
 # (at most M) holding every slot written so far (`StaticCachedModel._slot_view`). False: over all M slots.
 SLOT_VIEWS = True
@@ -217,6 +215,32 @@ class StaticCachedModel:
         finally:
             for layer in cache.layers:
                 layer.view = None
+
+    @torch.inference_mode()
+    def adopt_groups(self, parts: list, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
+        """Take a prompt prefilled in groups of rows (runtime.prefill: [(Group, CachedModel)]) as if its padded
+        [B, n] `tokens` had been one forward at the empty cache's slots 0..n-1: each group's KV at its rows' slots
+        start..n-1, validity and positions as given, every pointer at n."""
+        e = self.entry
+        if self._bound or self._rows_t is not None:
+            raise RuntimeError("adopt_groups fills an empty cache of every row")
+        n = tokens.shape[1]
+        if self._bound + n > self.max_cache_len:
+            raise RuntimeError(f"the static cache is full ({self.max_cache_len} slots)")
+        for i, layer in enumerate(e.cache.layers):
+            for group, part in parts:
+                k, v = layer_kv(part.cache, i)
+                if not layer.is_initialized:  # allocates [B, heads, slots, dim] like a first forward would
+                    B = self.batch
+                    layer.lazy_initialization(k.new_zeros(B, *k.shape[1:]), v.new_zeros(B, *v.shape[1:]))
+                rows = torch.tensor(group.rows, device=layer.keys.device)
+                layer.keys[rows, :, group.start:n] = k.to(layer.keys.dtype)
+                layer.values[rows, :, group.start:n] = v.to(layer.values.dtype)
+        e.valid[:, :n] = valid.to(self.device)
+        e.pos[:, :n] = positions.to(self.device)
+        e.w.add_(n)
+        self._bound += n
+        self.forwards += len(parts)
 
     def _plain_causal(self, tokens: torch.Tensor, positions: torch.Tensor, new_valid: torch.Tensor,
                       lim: torch.Tensor) -> bool:

@@ -68,6 +68,8 @@ class SSDStats:
     # the same forwards by width, {tokens per row: (seconds, calls)}: a wide tree step costs more than a narrow one
     draft_forward_s: dict | None = None
     tree_reused: int = 0  # rounds whose tree carried the previous round's draft KV over instead of a glue forward
+    # seconds of the target's prompt prefill in our loop (None: none, or shared with a draft prefilling alongside)
+    target_prefill_s: float | None = None
     timeline: list[RoundRecord] = field(default_factory=list)
     wall_time: float = 0.0
     started: float = field(default_factory=time.perf_counter)
@@ -161,5 +163,6 @@ class SSDStats:
             "tree_reused": self.tree_reused,
             "phase_means_s": {k: round(v, 6) for k, v in self.phase_means().items()},
             "overlap_fraction": self.overlap_fraction(),
+            "target_prefill_s": None if self.target_prefill_s is None else round(self.target_prefill_s, 4),
             "wall_time_s": round(self.wall_time, 4),
         }
