@@ -493,6 +493,37 @@ def test_a_plan_whose_price_went_stale_gets_another_look():
     assert ctl.decide().plan == plain
 
 
+def test_stale_plans_share_one_look_per_stale_interval():
+    """Several plans within reach whose prices went stale together get one look per STALE_LOOK_ROUNDS between
+    them, not one each at once: four such plans at batch 4 took 4 of 12 timed calls."""
+    from hf_ssd.control.exploration import STALE_LOOK_ROUNDS
+
+    ctl = controller(costs(draft=(0.05, 0.001)), alpha=0.5, allowed={"mode": ("plain", "sync"), "K": (1, 2)})
+    plain, stale = Plan("plain"), [Plan("sync", 1), Plan("sync", 2)]
+    for plan in stale:
+        slow = ctl.predict(plan).tokens_per_round / (0.85 * ctl.predict(plain).tokens_per_s)  # 0.85x plain
+        for _ in range(3):
+            ctl.memory.record_round(plan, slow, count=8)
+            ctl.memory.end_call()
+
+    def run_plain(rounds):
+        for _ in range(rounds // 8):
+            ctl.memory.record_round(plain, ctl.model(plain).round_s, count=8)
+            ctl.memory.end_call()
+
+    run_plain(STALE_LOOK_ROUNDS)
+    looks = []
+    for _ in range(4):  # four calls in a row, both sync plans stale: one look
+        decision = ctl.decide()
+        looks.append(decision.plan)
+        ctl.memory.record_round(decision.plan, ctl.memory.round_s[decision.plan].value, count=8)
+        ctl.memory.end_call()
+    assert sum(p != plain for p in looks) == 1, looks
+    run_plain(STALE_LOOK_ROUNDS)
+    decision = ctl.decide()
+    assert decision.plan in stale and "rounds old" in decision.reason
+
+
 def test_a_call_that_compiled_a_plans_graphs_does_not_price_it():
     """The plan's looked-at call compiled its graphs again (a new cache size): that call's rounds ran beside the
     compiler, so its mean is dropped and the plan may have another look; the warm call after it prices it."""
@@ -1304,6 +1335,29 @@ def test_a_switch_to_plain_waits_for_rounds_that_rule_drafting_out(monkeypatch):
     for _ in range(20):
         ctl.observe_acceptance(0.4, 0.6)  # twenty more rounds at α = 0.4
     assert ctl.decide(current=running).plan == Plan("plain")
+
+
+def test_plain_steps_in_our_loop_are_priced_by_what_they_measured():
+    """A switch to plain mid-call runs one-token rounds of our loop. Once such rounds have run, their measured time
+    prices the next switch (at batch 16 on the overhead workload they decoded at ~510 tok/s where the hand-off's
+    price said ~620, and staying on synchronous K = 1 made ~660)."""
+    from hf_ssd.control.memory import Ema
+
+    c = costs(draft=(0.07, 0.0005), split=2.0)
+    ctl = controller(c, alpha=0.6)
+    running = Plan("sync", 1)
+    ctl.memory.round_s[running] = fast = Ema()
+    fast.add(0.9 * ctl.predict(Plan("plain"), in_loop=True).round_s * ctl.model(running).tokens_per_round,
+             count=8)  # sync K = 1 measured a little faster per token than plain's price
+    hand_off = ctl.predict(Plan("plain"), in_loop=True).round_s
+    assert ctl.decide(current=running).plan == running
+    ctl.memory.round_s[running] = slow = Ema()
+    slow.add(1.6 * hand_off * ctl.model(running).tokens_per_round, count=8)  # now clearly slower: plain wins
+    assert ctl.decide(current=running).plan == Plan("plain")
+    ctl.memory.in_loop_plain.add(2.0 * hand_off, count=8)  # ... until plain steps in our loop have been measured
+    assert ctl.predict(Plan("plain"), in_loop=True).round_s == pytest.approx(2.0 * hand_off)
+    assert ctl.predict(Plan("plain")).round_s == pytest.approx(hand_off)  # a call's start hands off: unchanged
+    assert ctl.decide(current=running).plan == running
 
 
 def test_calls_with_constraining_options_learn_apart_from_free_ones(monkeypatch):

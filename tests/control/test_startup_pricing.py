@@ -210,32 +210,35 @@ def test_a_compiled_ssd_plan_s_first_speculation_is_priced_at_its_compiled_steps
 
 def test_a_call_s_start_prices_the_target_prefill_of_its_path():
     """Plain decoding prefills in transformers' loop, a draft plan in ours, which prefills rows of similar length
-    together (runtime.prefill). At a call's start each plan pays its path's prefill as measured per prompt column;
-    the same for every plan while only one path has run; nothing mid-call (the target has prefilled already)."""
+    together (runtime.prefill). At a call's start the plans on the dearer path pay what it costs beyond the cheaper
+    one, as measured per prompt column; nothing while only one path has run; nothing mid-call (the target has
+    prefilled already)."""
     from hf_ssd.control.memory import record_prefill
 
     ctl = controller()
     start = Horizon(tokens=64, context=500)
     plans = [Plan("plain"), Plan("sync", 3), Plan("ssd", 3, 4, "thread", threads=(1, 1))]
 
-    def prefills(current=None):
+    def prefills(current=None, horizon=start):
         preds = [ctl.predict(plan) for plan in plans]
         for pred in preds:
-            ctl._price_call(pred, start, current)
-        return [pred.parts.get("prefill") for pred in preds]
+            ctl._price_call(pred, horizon, current)
+        return preds
 
-    assert prefills() == [0.0] * 3  # nothing measured
+    assert [p.parts["prefill"] for p in prefills()] == [0.0] * 3  # nothing measured
+    before = [p.call_tokens_per_s for p in prefills()]
     for _ in range(3):
         record_prefill(ctl.memory, "plain", 0.4, 200)
-    assert prefills() == pytest.approx([1.0] * 3)  # plain's price for every plan
+    assert [p.parts["prefill"] for p in prefills()] == [0.0] * 3  # one path: nothing to tell them apart
     for _ in range(3):
         record_prefill(ctl.memory, "engine", 0.2, 200)
-    assert prefills() == pytest.approx([1.0, 0.5, 0.5])
-    plain = ctl.predict(Plan("plain"))
-    ctl._price_call(plain, Horizon(tokens=16, context=2000), None)
-    assert plain.startup_s == pytest.approx(4.0)
-    assert "over this call with its prefill (4.0 s)" in ctl.explain(plain, [plain])
-    assert prefills(current=Plan("sync", 4)) == [None] * 3
+    priced = prefills()
+    assert [p.parts["prefill"] for p in priced] == pytest.approx([0.5, 0.0, 0.0])
+    assert priced[0].call_tokens_per_s < before[0] and [p.call_tokens_per_s for p in priced[1:]] == before[1:]
+    plain = prefills(horizon=Horizon(tokens=16, context=2000))[0]
+    assert plain.startup_s == pytest.approx(2.0)
+    assert "over this call with its prefill (2.0 s)" in ctl.explain(plain, [plain])
+    assert [p.parts.get("prefill") for p in prefills(current=Plan("sync", 4))] == [None] * 3
 
 
 @pytest.mark.parametrize("plain", [False, True], ids=["our loop", "plain hand-off"])

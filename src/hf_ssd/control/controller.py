@@ -262,12 +262,18 @@ class Controller:
         return self.startup_model(plan, context) * self.memory.startup_ratio(family(plan))
 
     def target_prefill_s(self, plan: Plan, context: int) -> float:
-        """The target's prefill of `context` prompt columns in a call starting on `plan`: plain decoding runs it in
-        transformers' loop, a draft plan in ours, which prefills rows of similar length together (runtime.prefill:
-        about half the compute of a padded batch of MT-Bench prompts at batch 4). As measured here (Memory.prefill);
-        the same for every plan until both have run. A plain call that cannot be handed off (a generator given)
-        prefills in our loop but is priced as handed off."""
-        return self.memory.prefill_column_s("plain" if plan.mode == "plain" else "engine") * context
+        """What the target's prefill of `context` prompt columns costs a call starting on `plan` beyond the cheaper
+        path's: plain decoding runs it in transformers' loop, a draft plan in ours, which prefills rows of similar
+        length together (runtime.prefill: about half the compute of a padded batch of MT-Bench prompts at batch 4).
+        As measured here (Memory.prefill); 0 until both have run. Only the difference: the share every plan pays
+        would rank nothing and, added to every call, would bring slower plans within the explorations' reach
+        (control.exploration compares speeds over the call). A plain call that cannot be handed off (a generator
+        given) prefills in our loop but is priced as handed off."""
+        memory = self.memory
+        if not {"plain", "engine"} <= memory.prefill.keys():
+            return 0.0
+        own = memory.prefill_column_s("plain" if plan.mode == "plain" else "engine")
+        return (own - min(memory.prefill_column_s("plain"), memory.prefill_column_s("engine"))) * context
 
     def record_startup(self, plan: Plan, context: int, seconds: float) -> None:
         modelled = self.startup_model(plan, context)
@@ -298,11 +304,15 @@ class Controller:
         in_loop: a switch mid-generation. Plain then runs as one-token rounds of our loop, not as transformers' own
         loop (what plain's measurements and its compiled calibration are of): eager (the compiled verify widths
         start at 2) and with our per-round work, so it is priced at the eager cost line or the hand-off's measured
-        price, whichever is slower. Priced like a hand-off, a compiled target made a switch to plain look a third
-        faster than it ran."""
+        price, whichever is slower, or at what such steps measured here where they have run
+        (Memory.in_loop_plain). Priced like a hand-off, a compiled target made a switch to plain look a third faster
+        than it ran; priced at the eager line, switches at batch 16 (overhead workload) decoded the rest of the call
+        at ~510 tok/s where staying on synchronous K = 1 made ~660."""
         if in_loop and plan.mode == "plain":
             pred = self.predict(plan, aged=aged)
-            pred.round_s = max(pred.round_s, self.model(plan).round_s)
+            measured = self.memory.in_loop_plain
+            own = measured.value if measured.n >= MIN_ROUNDS else 0.0
+            pred.round_s = max(pred.round_s, self.model(plan).round_s, own)
             return pred
         pred = self.model(plan)
         measured = self.memory.round_s.get(plan)
@@ -388,7 +398,7 @@ class Controller:
             return
         compiling = self.compile_s(pred.plan, horizon, in_loop=current is not None)
         restart = 0.0 if retunable(current, pred.plan) else self.startup_s(pred.plan, horizon.context)
-        if current is None:  # a call's start: the target's prefill too, which costs less in our loop
+        if current is None:  # a call's start: the target's prefill too, which costs less in our loop (batches)
             prefill = self.target_prefill_s(pred.plan, horizon.context)
             restart += prefill
             pred.parts = {**pred.parts, "prefill": prefill}

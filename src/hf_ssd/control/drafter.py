@@ -229,6 +229,8 @@ class ControlledDrafter(Drafter):
         # disturbed: something else takes the hardware now (a kept process starting), so the time is not the plan's
         compiled = self._compiled_lately()
         self.round_recorded = False
+        if self.last_start is not None and in_loop_plain and full and not compiled and not self.disturbed():
+            self.memory.in_loop_plain.add(now - self.last_start)  # its own price (Controller.predict, in_loop)
         if self.last_start is not None and not in_loop_plain and not compiled and not self.disturbed():
             seconds, measured = now - self.last_start, self.memory.round_s.get(self.plan)
             tail = self.memory.tail.setdefault(family(self.plan), TailShare())

@@ -78,6 +78,8 @@ SECOND_LOOK_ROUNDS = 16
 # is this many rounds old (all plans together) gets another look too, once per that many rounds: on the overhead
 # workload at α ≈ 0.7 compiled sync SD, priced at 11.6 ms a round from the warm-up, was never run again in 18
 # calls, while the hand-picked sync row ran 7.3 ms rounds and `ssd=True` ran an SSD plan at 0.82x of it.
+# The stale looks share that cadence: one per STALE_LOOK_ROUNDS rounds, whichever plan is due. Each plan on its own
+# clock, four plans within reach at batch 4 (α ≈ 0.7, T = 0.7) took 4 of 12 timed calls, at 0.55-0.9x the choice.
 STALE_LOOK_ROUNDS = 256
 
 
@@ -151,7 +153,7 @@ def second_look(ctl: Controller, preds: list[Prediction], best: Prediction) -> D
     """The fastest plan other than `best` that at most one call has measured (calls that compiled its graphs do not
     count: Memory.cold), or whose last measurement is STALE_LOOK_ROUNDS old, where it is predicted within
     SECOND_LOOK_WITHIN of `best` and needs nothing compiled; once per plan, once more after a call that compiled
-    its graphs, and once each time its price goes stale. Its earlier calls' means are dropped, so the looked-at
+    its graphs, and once each time its price goes stale (one stale look per STALE_LOOK_ROUNDS, all plans together). Its earlier calls' means are dropped, so the looked-at
     call's rounds price it (a call-start price is the median of the last calls' means).
 
     Only where `best` has been measured itself: an untried best is measured by running it, and a second look
@@ -166,9 +168,11 @@ def second_look(ctl: Controller, preds: list[Prediction], best: Prediction) -> D
         if pred is best or ema is None or not ctl.measured(pred.plan) or pred.parts.get("compile", 0.0) > 0:
             continue
         age = ctl.memory.age(pred.plan)
-        stale = age >= STALE_LOOK_ROUNDS
+        stale = age >= STALE_LOOK_ROUNDS and ctl.memory.clock - ctl.memory.stale_look_at >= STALE_LOOK_ROUNDS
         if not stale and (pred.plan in ctl.memory.second_looks or len(ema.calls) > 1 or ema.call_n):
             continue
+        if stale:
+            ctl.memory.stale_look_at = ctl.memory.clock
         ctl.memory.second_looks.add(pred.plan)
         ema.forget_calls()
         why = (f"its price is {age} rounds old, and the machine's speed drifts" if stale

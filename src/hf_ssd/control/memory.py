@@ -239,6 +239,9 @@ class Memory:
     # measured / modelled seconds of a drafter's start (its prefill and first drafts), per plan family: what a draft
     # plan costs a call before its first round (startup_ratio)
     startup: dict[str, Ema] = field(default_factory=dict)
+    # seconds per round of plain steps inside our round loop (a switch mid-call): slower than transformers' own loop,
+    # which plain's measured rounds are of (control.drafter)
+    in_loop_plain: Ema = field(default_factory=Ema)
     # the target's prefill in seconds per prompt column, by path: "plain" (transformers' own loop, after a hand-off)
     # and "engine" (ours, rows of similar length prefilled together: runtime.prefill); a call's start in each
     # (Controller.target_prefill_s)
@@ -266,6 +269,7 @@ class Memory:
     explored: set = field(default_factory=set)
     exploring: Plan | None = None
     second_looks: set = field(default_factory=set)  # plans a call ran again after one cold call priced them
+    stale_look_at: int = -(10**9)  # `clock` at the last look at a plan whose price had gone stale (exploration)
     untried_looks: set = field(default_factory=set)  # families whose best untried plan a call ran (untried_look)
     # plans that compiled graphs in the running call (here or in their draft process). Their rounds between compiles
     # still ran beside the compiler and the first runs of new graphs: in a fresh process, `ssd=True` priced SSD
@@ -309,12 +313,10 @@ class Memory:
         return max(measured) if measured else 1.0
 
     def prefill_column_s(self, path: str) -> float:
-        """Seconds per prompt column of the target's prefill on `path` ("plain" or "engine"); where it has not run,
-        the other's (then the two price the same), and 0 before either has."""
-        for e in (self.prefill.get(path), *self.prefill.values()):
-            if e is not None and e.value is not None:
-                return e.value
-        return 0.0
+        """Seconds per prompt column of the target's prefill on `path` ("plain" or "engine"); 0 where it has not
+        run."""
+        e = self.prefill.get(path)
+        return 0.0 if e is None or e.value is None else e.value
 
     def end_call(self) -> None:
         """A generate() call ended: each plan's rounds in it become one call mean (Ema.settled), except those of
