@@ -120,10 +120,10 @@ def test_unpadded_prefill_runs_causal_and_matches_the_masked_one(arch, monkeypat
     """An unpadded prefill of an empty cache passes no mask (SDPA's causal kernel: 1.5x faster on a 716-token
     prompt) for the listed full-attention families; its logits and the decode step after it equal the masked
     prefill's. A left-padded batch keeps the mask."""
-    from hf_ssd.runtime.kv import attention_layout
+    from hf_ssd.runtime.kv import CAUSAL_PREFILL_MODELS, attention_layout
 
     m = get_pair(arch).target
-    expected = m.config.model_type in static_kv.CAUSAL_PREFILL_MODELS and attention_layout(m) == (None, None)
+    expected = m.config.model_type in CAUSAL_PREFILL_MODELS and attention_layout(m) == (None, None)
     flags = []
     real = static_kv.slot_step
     monkeypatch.setattr(static_kv, "slot_step", lambda *a, **k: flags.append(k.get("causal", False)) or real(*a, **k))
@@ -131,7 +131,7 @@ def test_unpadded_prefill_runs_causal_and_matches_the_masked_one(arch, monkeypat
     step = torch.randint(2, 90, (1, 2), generator=torch.Generator().manual_seed(4))
     out = {}
     for listed in (True, False):
-        monkeypatch.setattr(static_kv, "CAUSAL_PREFILL_MODELS", static_kv.CAUSAL_PREFILL_MODELS if listed else ())
+        monkeypatch.setattr("hf_ssd.runtime.kv.CAUSAL_PREFILL_MODELS", CAUSAL_PREFILL_MODELS if listed else ())
         kv = StaticCachedModel(m, 1, 64)
         first = kv.forward(ids, torch.arange(12)[None], prefill=True)
         out[listed] = (first, kv.forward(step, torch.arange(12, 14)[None]))

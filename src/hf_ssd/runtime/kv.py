@@ -36,6 +36,13 @@ def prefill_logits_argument(model: PreTrainedModel) -> dict:
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
+def causal_prefill_family(model: PreTrainedModel, window: int | None, layer_types: list[str] | None) -> bool:
+    """Is `model` one whose prompt may be prefilled with no mask (SDPA's causal kernel) when it is unpadded: full
+    attention in every layer and a family checked against the masked path (CAUSAL_PREFILL_MODELS)."""
+    return (window is None and layer_types is None
+            and getattr(model.config, "model_type", None) in CAUSAL_PREFILL_MODELS)
+
+
 def layer_kv(cache, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer i's keys and values of a DynamicCache, on transformers with cache layers (4.56 on) or without."""
     if hasattr(cache, "layers"):
@@ -181,9 +188,7 @@ class CachedModel:
         """May a prefill run with no mask? Only into an empty cache, with every token valid at positions 0..n-1 in
         every row, full attention in every layer and a family checked against the masked path: transformers' own
         causal mask is then ours."""
-        if self.length > 0 or self.window is not None or self.layer_types is not None:
-            return False
-        if getattr(self.model.config, "model_type", None) not in CAUSAL_PREFILL_MODELS:
+        if self.length > 0 or not causal_prefill_family(self.model, self.window, self.layer_types):
             return False
         n = positions.shape[1]
         in_order = torch.equal(positions, torch.arange(n, device=positions.device).expand_as(positions))

@@ -68,6 +68,7 @@ def padding_groups(valid: torch.Tensor, forward_tokens: int) -> list[Group] | No
 
 
 def forward_tokens(device: torch.device) -> int:
+    """FORWARD_TOKENS for `device` (an accelerator other than CUDA counts as CUDA: launch-bound too)."""
     return FORWARD_TOKENS.get(device.type, FORWARD_TOKENS["cuda"])
 
 
@@ -90,4 +91,3 @@ def prefill_prompt(kv, prompt: torch.Tensor, mask: torch.Tensor) -> None:
         part.forward(tokens[rows, g.start:], positions[rows, g.start:], valid[rows, g.start:], prefill=True)
         parts.append((g, part))
     kv.adopt_groups(parts, tokens, positions, valid)
-

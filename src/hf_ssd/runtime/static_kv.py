@@ -40,7 +40,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import StaticLayer
 
 from hf_ssd.runtime import static_registry
-from hf_ssd.runtime.kv import (CAUSAL_PREFILL_MODELS, attention_layout, cache_argument, input_device, layer_kv,
+from hf_ssd.runtime.kv import (attention_layout, cache_argument, causal_prefill_family, input_device, layer_kv,
                                position_limit, prefill_logits_argument)
 from hf_ssd.runtime.packed_attention import slot_view
 from hf_ssd.runtime.slot_step import SlotAttend, dense, slot_step
@@ -249,9 +249,7 @@ class StaticCachedModel:
         order: a mask transformers builds from the positions is then the same), the default attention (lim = the
         token's own slot), full attention in every layer (no window), a model family checked against the masked
         path (tests/draft/test_static_draft.py), and a transformers that sizes the mask from the cache's layers."""
-        if self.window is not None or self.layer_types is not None:
-            return False
-        if getattr(self.model.config, "model_type", None) not in CAUSAL_PREFILL_MODELS:
+        if not causal_prefill_family(self.model, self.window, self.layer_types):
             return False
         if not hasattr(StaticLayer, "get_mask_sizes"):
             return False
