@@ -222,24 +222,28 @@ class ControlledDrafter(Drafter):
         primary = [i for i in range(len(k)) if n[i] > 0 and (source is None or source[i] != SOURCE_NGRAM)]
         self.controller.observe_acceptance(float(sum(k[i] for i in primary)), float(sum(k[i] < n[i] for i in primary)),
                                            int8=self.plan.int8, rows=len(primary))
-        # Plain steps inside our round loop (a switch to plain mid-generation) are not the plain the controller
-        # prices: a call that starts with plain runs transformers' own loop, measured there (record_plain), about
-        # 1.6x faster per step at batch 16 on the overhead workload. Mixed in, they made plain look slow for good.
+        # Plain steps inside our round loop (a switch to plain mid-generation) are not the plain a call's start
+        # prices: that runs transformers' own loop, measured there (record_plain), about 1.6x faster per step at
+        # batch 16 on the overhead workload. Mixed in, they made plain look slow for good; they price themselves
+        # (Memory.in_loop_plain, read by Controller.predict for a switch mid-call).
         in_loop_plain = self.plan.mode == "plain"
         # disturbed: something else takes the hardware now (a kept process starting), so the time is not the plan's
         compiled = self._compiled_lately()
         self.round_recorded = False
-        if self.last_start is not None and in_loop_plain and full and not compiled and not self.disturbed():
-            self.memory.in_loop_plain.add(now - self.last_start)  # its own price (Controller.predict, in_loop)
-        if self.last_start is not None and not in_loop_plain and not compiled and not self.disturbed():
-            seconds, measured = now - self.last_start, self.memory.round_s.get(self.plan)
-            tail = self.memory.tail.setdefault(family(self.plan), TailShare())
-            tail.add(seconds, len(k) / self.controller.batch, None if measured is None else measured.value)
-            if full:
-                self.round_recorded = True  # its draft work is recorded too, once resolve has its span
-                self.memory.record_round(self.plan, seconds, tokens=tokens)
-                if verdict.verify_s > 0:
-                    self.controller.record_verify(self.plan, verdict.verify_s)
+        if self.last_start is not None and not compiled and not self.disturbed():
+            seconds = now - self.last_start
+            if in_loop_plain:
+                if full:
+                    self.memory.in_loop_plain.add(seconds)
+            else:
+                measured = self.memory.round_s.get(self.plan)
+                tail = self.memory.tail.setdefault(family(self.plan), TailShare())
+                tail.add(seconds, len(k) / self.controller.batch, None if measured is None else measured.value)
+                if full:
+                    self.round_recorded = True  # its draft work is recorded too, once resolve has its span
+                    self.memory.record_round(self.plan, seconds, tokens=tokens)
+                    if verdict.verify_s > 0:
+                        self.controller.record_verify(self.plan, verdict.verify_s)
         self.last_start = now
         return tokens
 

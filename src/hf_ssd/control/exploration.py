@@ -153,8 +153,9 @@ def second_look(ctl: Controller, preds: list[Prediction], best: Prediction) -> D
     """The fastest plan other than `best` that at most one call has measured (calls that compiled its graphs do not
     count: Memory.cold), or whose last measurement is STALE_LOOK_ROUNDS old, where it is predicted within
     SECOND_LOOK_WITHIN of `best` and needs nothing compiled; once per plan, once more after a call that compiled
-    its graphs, and once each time its price goes stale (one stale look per STALE_LOOK_ROUNDS, all plans together). Its earlier calls' means are dropped, so the looked-at
-    call's rounds price it (a call-start price is the median of the last calls' means).
+    its graphs, and once each time its price goes stale (one stale look per STALE_LOOK_ROUNDS, all plans
+    together). Its earlier calls' means are dropped, so the looked-at call's rounds price it (a call-start price is
+    the median of the last calls' means).
 
     Only where `best` has been measured itself: an untried best is measured by running it, and a second look
     before it spends a call on the plan it is predicted to beat (with compile, calls that compile nothing
