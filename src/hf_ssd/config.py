@@ -61,6 +61,9 @@ class SSDConfig:
     trust_processors: bool = False  # True: custom logits processors are pure functions of (input_ids, scores); no warning
     compile: bool | str = False  # static-shape draft cache, glue + tree under torch.compile; "auto": CUDA, or CPU if faster
     compile_target: bool = False  # the target's verify too: static cache, compiled fixed-width block (compiled numerics)
+    # few-row float32 forwards (verify blocks, draft steps) through weights packed once (AVX-512 CPU kernel, a
+    # second copy of the large weights): True, False, or "auto" = where it builds and the memory is free
+    packed_linear: bool | str = "auto"
     version: int = CONFIG_VERSION
 
     def __post_init__(self) -> None:
@@ -129,6 +132,8 @@ class SSDConfig:
                 raise bad(name, "use a positive integer")
         if not (isinstance(self.compile, bool) or self.compile == "auto"):
             raise bad("compile", 'use True (static draft cache, compiled), False (off) or "auto" (on where faster)')
+        if not (isinstance(self.packed_linear, bool) or self.packed_linear == "auto"):
+            raise bad("packed_linear", 'use True (packed few-row kernel), False (torch\'s GEMM) or "auto"')
         if self.version > CONFIG_VERSION:
             raise bad("version", f"this hf_ssd reads config versions <= {CONFIG_VERSION}; upgrade hf_ssd")
 

@@ -116,7 +116,8 @@ def run_session(
         K = plan.K
 
         def draft_model(batch: int, downweight: float, kv=None) -> DraftModel:
-            return DraftModel(model, batch, vocab, draft_processors, greedy, downweight, d_gen, kv)
+            return DraftModel(model, batch, vocab, draft_processors, greedy, downweight, d_gen, kv,
+                              config.packed_linear)
 
         def ssd_drafter() -> Drafter:
             plan_config = config.updated(**plan.options(), **({} if alpha_prior is None else
@@ -195,7 +196,8 @@ def run_session(
                 measuring = plain_measurement(controller, first, horizon)
                 if measuring is not None:  # plain observes no α: the draft reads it off the answer afterwards
                     model = quantized_draft(draft, "int8" if measuring.int8 else None)
-                    stats.plain_probe = PlainProbe(DraftModel(model, 0, vocab, draft_processors, greedy, 1.0, None),
+                    stats.plain_probe = PlainProbe(DraftModel(model, 0, vocab, draft_processors, greedy, 1.0, None,
+                                                              packed_linear=config.packed_linear),
                                                    controller.memory, measuring.label, int8=measuring.int8)
                 return None, stats
             drafter = ControlledDrafter(controller, build, stats, first, disturbed=pool.starting,
@@ -204,7 +206,7 @@ def run_session(
         target_kv = None
         if config.compile_target:
             target_kv = static_target_cache(target, B, generation_config.max_length)
-        target_kv = target_kv or CachedModel(target, B)
+        target_kv = target_kv or CachedModel(target, B, config.packed_linear)
         engine = Engine(target_kv, drafter, processors, stopping, generation_config, stats, generator, streamer)
         start = time.perf_counter()
         if config.target_threads is not None:
@@ -260,12 +262,13 @@ def make_controller(target, draft, batch: int, greedy: bool, config: SSDConfig, 
                     worker_handle, process_ready: bool = False, max_length: int | None = None,
                     prompt_len: int = 0) -> Controller:
     allowed = constraints(config, device, worker_handle)
-    costs = measure_costs(target, draft, batch, int8="int8" not in allowed or allowed["int8"])
+    costs = measure_costs(target, draft, batch, int8="int8" not in allowed or allowed["int8"],
+                          packed=config.packed_linear is not False)
     # compiled plans cost differently from eager ones: their measured rounds are kept apart. So are the calls whose
     # options constrain the choice: what a call with every option free learns is its own (a benchmark's hand-picked
     # rows ran the plans that `ssd=True` then found measured, explored and compiled)
     key = (id(target), id(draft), str(device), batch, greedy, config.compile, config.compile_target,
-           tuple(sorted(allowed.items())))
+           config.packed_linear, tuple(sorted(allowed.items())))
     # sampled acceptance (sum of min(p, q)) was at or above greedy's in every run of the project's benches
     # (default pair 0.73-0.80 at T = 0.7 against 0.75-0.80 greedy; overhead workload 0.78-0.81 against 0.64): a
     # lower prior for sampling made plain look faster where SD ran 1.13x plain

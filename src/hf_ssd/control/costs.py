@@ -12,6 +12,7 @@ read off these curves.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from hf_ssd.kernels.packed_linear import PackedLinearMode
+from hf_ssd.kernels.packed_linear import weights_for as packed_linear_weights
 from hf_ssd.runtime.kv import cache_argument, input_device, position_limit
 
 
@@ -63,6 +66,12 @@ class Costs:
     draft_int8_split: Curve | None = None
     probe_s: float = 0.0  # what measuring cost
     overlap: float = 1.0  # how much of the shorter side hides when both sides run in two threads (1 all, 0 none)
+    # a plain step of transformers' own loop where it differs from our engine's one-token forward (our forwards
+    # run the packed linear kernel, kernels/packed_linear; transformers' loop does not); None: target_all(1)
+    plain_step_s: float | None = None
+
+    def plain_step(self) -> float:
+        return self.target_all(1) if self.plain_step_s is None else self.plain_step_s
 
     def draft(self, split: bool, int8: bool) -> Curve:
         if int8 and self.draft_int8_all is not None:
@@ -83,9 +92,18 @@ def probe_ids(vocab: int, batch: int, length: int, device: torch.device) -> torc
 WIDTHS = (1, 2, 3, 4, 6, 9)  # forward widths timed per model: every verify of K + 1 <= 9 tokens reads off them
 
 
-def time_widths(model: PreTrainedModel, batch: int, widths: tuple[int, ...], prefix: int = 8) -> dict[int, float]:
+def time_widths(model: PreTrainedModel, batch: int, widths: tuple[int, ...], prefix: int = 8,
+                packed: bool = True) -> dict[int, float]:
     """Seconds of one forward of each of `widths` new tokens per row, after one cached `prefix` (an untimed prefill)
-    and one untimed forward of one token; each forward's tokens are cropped off before the next."""
+    and one untimed forward of one token; each forward's tokens are cropped off before the next. packed: as our
+    engine runs them, through the packed linear kernel where the model has packed weights (False: torch's own
+    GEMM, as transformers' loop runs)."""
+    weights = packed_linear_weights(model) if packed else None
+    with PackedLinearMode(weights) if weights is not None else contextlib.nullcontext():
+        return _time_widths(model, batch, widths, prefix)
+
+
+def _time_widths(model: PreTrainedModel, batch: int, widths: tuple[int, ...], prefix: int) -> dict[int, float]:
     device = input_device(model)
     vocab = model.config.get_text_config().vocab_size
     limit = position_limit(model)
@@ -112,7 +130,8 @@ def time_widths(model: PreTrainedModel, batch: int, widths: tuple[int, ...], pre
     return seconds
 
 
-def measure_curve(model: PreTrainedModel, batch: int, n_max: int, threads: int | None, passes: int = 1) -> Curve:
+def measure_curve(model: PreTrainedModel, batch: int, n_max: int, threads: int | None, passes: int = 1,
+                  packed: bool = True) -> Curve:
     """The cost curve of `model` at WIDTHS and `n_max` tokens per row, on `threads` intra-op threads: the fastest
     of `passes` timings per width (a one-thread forward of the default pair varies by ±15% from pass to pass, and
     the slow passes are the machine's interruptions, not the forward)."""
@@ -121,13 +140,13 @@ def measure_curve(model: PreTrainedModel, batch: int, n_max: int, threads: int |
         torch.set_num_threads(threads)
     try:
         widths = tuple(sorted({w for w in WIDTHS if w <= n_max} | {n_max}))
-        timings = [time_widths(model, batch, widths) for _ in range(passes)]
+        timings = [time_widths(model, batch, widths, packed=packed) for _ in range(passes)]
         return Curve(tuple((w, min(t[w] for t in timings)) for w in widths))
     finally:
         torch.set_num_threads(before)
 
 
-def measure_curves(batch: int, wanted: list[tuple[PreTrainedModel, int, int | None]]) -> list[Curve]:
+def measure_curves(batch: int, wanted: list[tuple[PreTrainedModel, int, int | None]], packed: bool = True) -> list[Curve]:
     """A curve for each (model, n_max, threads) in `wanted`. A setting asked for twice (the paper setting's split
     gives the target the one thread it already has) is timed once with two passes, not twice for two curves: the
     same forwards, a steadier curve."""
@@ -138,7 +157,7 @@ def measure_curves(batch: int, wanted: list[tuple[PreTrainedModel, int, int | No
     for model, n_max, threads in wanted:
         key = (id(model), threads)
         if key not in curves:
-            curves[key] = measure_curve(model, batch, n_max, threads, passes=asked[key])
+            curves[key] = measure_curve(model, batch, n_max, threads, passes=asked[key], packed=packed)
     return [curves[(id(model), threads)] for model, _, threads in wanted]
 
 
@@ -209,8 +228,19 @@ def core_split(cores: int, target_threads: int) -> tuple[int, int] | None:
 _MEASURED: dict[tuple, Costs] = {}
 
 
+def _plain_step(target: PreTrainedModel, batch: int, threads: int | None, passes: int = 2) -> float:
+    """One step of transformers' own decoding loop (torch's GEMM): the fastest of `passes` timings."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return min(time_widths(target, batch, (1,), packed=False)[1] for _ in range(passes))
+    finally:
+        torch.set_num_threads(before)
+
+
 def measure_costs(target: PreTrainedModel, draft: PreTrainedModel, batch: int, *, n_max: int = 16,
-                  int8: bool = False) -> Costs:
+                  int8: bool = False, packed: bool = True) -> Costs:
     """Cost curves of the pair at this batch size, for the caller's thread setting (cached per process). About 20
     forwards of each model (6-7 widths after one prefill, per thread setting, and the overlap probe; a thread
     setting that comes up twice gets two passes instead); the int8 option also makes the int8 copy once."""
@@ -218,7 +248,7 @@ def measure_costs(target: PreTrainedModel, draft: PreTrainedModel, batch: int, *
 
     on_gpu = input_device(target).type == "cuda"
     cores, threads = os.cpu_count() or 1, torch.get_num_threads()
-    key = (id(target), id(draft), batch, n_max, int8, cores, threads)
+    key = (id(target), id(draft), batch, n_max, int8, cores, threads, packed)
     if key in _MEASURED:
         return _MEASURED[key]
     start = time.perf_counter()
@@ -229,7 +259,7 @@ def measure_costs(target: PreTrainedModel, draft: PreTrainedModel, batch: int, *
     wanted = [(target, 9, all_threads)] + [(d, n_max, all_threads) for d in drafts]
     if split is not None:
         wanted += [(target, 9, split[0])] + [(d, n_max, split[1]) for d in drafts]
-    curves = iter(measure_curves(batch, wanted))
+    curves = iter(measure_curves(batch, wanted, packed))
     t_all, d_all = next(curves), next(curves)
     q_all = next(curves) if quantized else None
     t_split, d_split, q_split = t_all, d_all, q_all
@@ -237,6 +267,10 @@ def measure_costs(target: PreTrainedModel, draft: PreTrainedModel, batch: int, *
         t_split, d_split = next(curves), next(curves)
         q_split = next(curves) if quantized else None
     overlap = measure_overlap(target, draft, batch, split)
-    costs = Costs(batch, t_all, d_all, t_split, d_split, split, q_all, q_split, time.perf_counter() - start, overlap)
+    plain_step_s = None
+    if packed and packed_linear_weights(target) is not None:  # our forwards are packed, transformers' plain loop is not
+        plain_step_s = _plain_step(target, batch, all_threads)
+    costs = Costs(batch, t_all, d_all, t_split, d_split, split, q_all, q_split, time.perf_counter() - start, overlap,
+                  plain_step_s)
     _MEASURED[key] = costs
     return costs

@@ -127,7 +127,7 @@ def predict(plan: Plan, costs: Costs, acc: Acceptance, batch: int, measured: dic
     controller priced from compiled rounds instead of the eager cost lines ("verify"; "draft": a synchronous
     draft or an SSD tree; "backup"), each optional. served: an SSD cache's measured misses and yields."""
     if plan.mode == "plain":
-        t = costs.target(False)(1)
+        t = costs.plain_step()
         return Prediction(plan, float(batch), t, parts={"target_step": t})
     measured = measured or {}
     K = plan.K

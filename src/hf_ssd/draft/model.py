@@ -25,9 +25,10 @@ class DraftModel:
         downweight: float,
         generator: torch.Generator | None,
         kv=None,
+        packed_linear: bool | str = "auto",
     ):
         # kv: the cache to use (default: a CachedModel); runtime.static_kv.StaticCachedModel for the static path
-        self.kv = CachedModel(model, batch_size) if kv is None else kv
+        self.kv = CachedModel(model, batch_size, packed_linear) if kv is None else kv
         self.vocab_size = vocab_size
         self.warpers = LogitsProcessorList([p for p in processors if isinstance(p, INPUT_INDEPENDENT)])
         self.greedy = greedy

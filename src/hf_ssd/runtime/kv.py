@@ -8,10 +8,14 @@ are cropped; rows that finished are dropped from the batch.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+
+from hf_ssd.kernels.packed_linear import PackedLinearMode
+from hf_ssd.kernels.packed_linear import weights_for as packed_linear_weights
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 # model families whose unpadded prefill of an empty cache runs with no mask (SDPA's causal kernel: a 716-token
@@ -100,8 +104,10 @@ class CachedModel:
     clamped slot. Models whose positions are computed (rotary, ALiBi) are never clamped.
     """
 
-    def __init__(self, model: PreTrainedModel, batch_size: int):
+    def __init__(self, model: PreTrainedModel, batch_size: int, packed_linear: bool | str = "auto"):
         self.model = model
+        # large float32 Linear weights packed for few-row forwards (kernels/packed_linear; None where it does not apply)
+        self.packed = packed_linear_weights(model, packed_linear)
         self.device = input_device(model)
         self.dtype = model.get_input_embeddings().weight.dtype
         self.layer_types, self.window = attention_layout(model)
@@ -175,10 +181,11 @@ class CachedModel:
             if self.layer_types is not None:
                 mask = {"full_attention": self._mask(attend, positions, None), "sliding_attention": mask}
         model_positions = positions if self.max_position is None else positions.clamp_max(self.max_position - 1)
-        out = self.model(
-            input_ids=tokens, position_ids=model_positions, attention_mask=mask, use_cache=True,
-            **{self.cache_kw: self.cache}, **(self.prefill_kw if prefill else {}),
-        )
+        with PackedLinearMode(self.packed) if self.packed is not None else contextlib.nullcontext():
+            out = self.model(
+                input_ids=tokens, position_ids=model_positions, attention_mask=mask, use_cache=True,
+                **{self.cache_kw: self.cache}, **(self.prefill_kw if prefill else {}),
+            )
         self.valid = torch.cat([self.valid, new_valid], dim=1)
         self.pos = torch.cat([self.pos, positions], dim=1)
         self.forwards += 1

@@ -108,7 +108,7 @@ def _serve(conn, model, quantize) -> None:
                 kv = None
                 if max_length is not None:
                     kv = static_draft_cache(model, config, batch, max_length, config.num_draft_tokens, budget, vocab)
-                draft = DraftModel(model, batch, vocab, warpers, greedy, downweight, generator, kv)
+                draft = DraftModel(model, batch, vocab, warpers, greedy, downweight, generator, kv, config.packed_linear)
                 stats = SSDStats()
                 stats.started = started
                 drafter_class = SaguaroDrafter if kv is None else StaticSaguaroDrafter

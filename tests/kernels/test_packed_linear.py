@@ -1,0 +1,129 @@
+"""The packed few-row linear kernel (hf_ssd.kernels.packed_linear): its layout and products against plain-torch
+references, where its mode applies, which models get it, and the engine's greedy output with it on."""
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_ssd.kernels import packed_linear as pl
+from hf_ssd.testing import ARCHS, get_pair, left_pad, plain_generate, prompt, ssd_generate
+
+pytestmark = pytest.mark.skipif(pl.unavailable_reason() is not None,
+                                reason=f"packed kernel unavailable here: {pl.unavailable_reason()}")
+
+
+@pytest.fixture
+def pack_everything(monkeypatch):
+    """Every float32 Linear is packed (the tiny test models' are far below MIN_ELEMENTS), and what this test packs
+    is forgotten after it; counts the kernel's calls."""
+    monkeypatch.setattr(pl, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(pl, "_MODELS", weakref.WeakKeyDictionary())
+    calls = {"n": 0}
+    kernel = pl.packed_linear
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(pl, "packed_linear", counted)
+    return calls
+
+
+@pytest.mark.parametrize("N,K", [(1, 1), (33, 17), (64, 64), (100, 7), (300, 129)])
+def test_pack_matches_the_reference_layout(N, K):
+    w = torch.randn(N, K)
+    assert torch.equal(pl.pack(w), pl.pack_reference(w))
+    assert torch.equal(pl.pack(w.t().contiguous().t()), pl.pack_reference(w))  # any strides in
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 11, 12, 13, 24, 25, 48])
+@pytest.mark.parametrize("N,K", [(33, 17), (100, 64), (257, 300)])
+def test_products_are_torch_s_up_to_float32_rounding(rows, N, K):
+    gen = torch.Generator().manual_seed(rows * 1000 + N)
+    w, b = torch.randn(N, K, generator=gen), torch.randn(N, generator=gen)
+    x = torch.randn(rows, K, generator=gen)
+    exact = F.linear(x.double(), w.double(), b.double())
+    got = pl.packed_linear(x, pl.pack(w), N, b)
+    ref = pl.packed_linear_reference(x, pl.pack_reference(w), N, b)
+    torch_err = (F.linear(x, w, b).double() - exact).abs().max().item()
+    assert got.shape == (rows, N)
+    # the same products summed in another order: as far from the exact result as torch's own float32 GEMM is
+    assert (ref.double() - exact).abs().max().item() <= 4 * torch_err + 1e-5
+    assert (got.double() - exact).abs().max().item() <= 4 * torch_err + 1e-5
+
+
+def test_leading_dimensions_are_kept():
+    w = torch.randn(40, 24)
+    x = torch.randn(2, 3, 24)
+    out = pl.packed_linear(x, pl.pack(w), 40)
+    assert out.shape == (2, 3, 40)
+    assert torch.allclose(out, F.linear(x, w), atol=1e-5)
+
+
+def test_the_mode_serves_packed_weights_of_few_float32_rows_only(pack_everything):
+    layer = torch.nn.Linear(32, 48)
+    weights = pl.weights_for(layer, True)
+    few, many = torch.randn(2, 32), torch.randn(pl.MAX_ROWS + 1, 32)
+    with torch.no_grad(), pl.PackedLinearMode(weights):
+        out_few = layer(few)
+        assert pack_everything["n"] == 1
+        out_many = layer(many)  # a prefill's rows: torch's GEMM
+        out_double = torch.nn.Linear(32, 48).double()(few.double())  # not packed: untouched
+        other = torch.nn.Linear(32, 48)
+        other(few)  # a weight not packed
+    assert pack_everything["n"] == 1
+    assert out_double.dtype == torch.float64
+    assert torch.equal(out_many, F.linear(many, layer.weight, layer.bias))
+    assert torch.allclose(out_few, F.linear(few, layer.weight, layer.bias), atol=1e-5)
+
+
+def test_a_weight_edited_after_packing_is_not_served_stale(pack_everything):
+    layer = torch.nn.Linear(16, 16)
+    weights = pl.weights_for(layer, True)
+    with torch.no_grad():
+        layer.weight.mul_(2.0)  # fine-tuned in place after packing
+        x = torch.randn(3, 16)
+        with pl.PackedLinearMode(weights):
+            out = layer(x)
+    assert pack_everything["n"] == 0
+    assert torch.equal(out, F.linear(x, layer.weight, layer.bias))
+
+
+def test_which_models_are_packed(monkeypatch):
+    monkeypatch.setattr(pl, "_MODELS", weakref.WeakKeyDictionary())
+    tiny = get_pair("llama").target
+    assert pl.weights_for(tiny, False) is None
+    assert pl.weights_for(tiny, "auto") is None  # its weights stay in cache: nothing to gain
+    with pytest.raises(ValueError, match="ssd_packed_linear"):
+        pl.weights_for(tiny, True)
+    monkeypatch.setattr(pl, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(pl, "_MODELS", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(pl, "_available_memory", lambda: 0)  # "auto" never takes the machine's last memory
+    assert pl.weights_for(tiny, "auto") is None
+    packed = pl.weights_for(tiny, True)  # asked for: packs anyway
+    assert packed is not None and pl.weights_for(tiny, "auto") is packed
+    linears = [m for m in tiny.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(packed.by_id) == len({id(m.weight) for m in linears})  # tied weights packed once
+
+
+@pytest.mark.parametrize("mode", ["sync", "ssd"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_output_is_plain_generate_s_with_the_kernel_on(pack_everything, arch, mode):
+    p = get_pair(arch)
+    ids, mask = left_pad([prompt(3, seed=1)[0], prompt(11, seed=2)[0]])
+    ref = plain_generate(p.target, ids, attention_mask=mask, max_new_tokens=12)
+    out = ssd_generate(p.target, p.related, ids, attention_mask=mask, max_new_tokens=12, ssd_mode=mode,
+                       ssd_num_draft_tokens=3, ssd_packed_linear=True)
+    assert torch.equal(out, ref), f"\nssd:   {out.tolist()}\nplain: {ref.tolist()}"
+    assert pack_everything["n"] > 0
+
+
+def test_the_option_is_validated():
+    from hf_ssd.config import SSDConfig
+
+    with pytest.raises(ValueError, match="packed_linear"):
+        SSDConfig(packed_linear="yes")
+    assert SSDConfig(packed_linear=False).packed_linear is False
