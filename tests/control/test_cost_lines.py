@@ -27,7 +27,7 @@ def test_a_curve_reads_between_and_past_its_points():
 def test_measuring_times_every_width_a_verify_uses(monkeypatch):
     asked = []
 
-    def fake_widths(model, batch, widths, prefix=8):
+    def fake_widths(model, batch, widths, prefix=8, packed=True):
         asked.append(widths)
         return {n: MEASURED.get(n, 0.9) for n in widths}
 
@@ -45,7 +45,7 @@ def test_a_thread_setting_asked_twice_is_timed_once_with_two_passes(monkeypatch)
     passes = iter([{1: 0.40, 2: 0.80}, {1: 0.37, 2: 0.95}])
     calls = []
 
-    def fake_widths(model, batch, widths, prefix=8):
+    def fake_widths(model, batch, widths, prefix=8, packed=True):
         calls.append((model, widths))
         return next(passes) if model == "target" else {n: 0.1 * n for n in widths}
 
@@ -94,3 +94,18 @@ def test_the_first_decode_forward_after_the_prefill_is_not_timed(monkeypatch):
     seconds = costs_mod.time_widths(model, 1, (1, 2))
     assert widths == [8, 1, 1, 2]
     assert seconds == {1: pytest.approx(0.001), 2: pytest.approx(0.001)}
+
+
+def test_plain_is_priced_at_transformers_own_step_where_our_forwards_are_packed():
+    """Our forwards run the packed linear kernel, transformers' plain loop does not: plain decoding is priced at
+    the step measured without it (Costs.plain_step_s), the verifies at the engine's own curve."""
+    from hf_ssd.control.plan import Acceptance, predict
+
+    ours = Curve.straight(0.10, 0.01)  # packed: a verify block costs little more than one token
+    costs = Costs(1, ours, ours, ours, ours, None, plain_step_s=0.30)
+    plain = predict(Plan("plain"), costs, Acceptance(alpha=0.7), 1)
+    assert plain.round_s == pytest.approx(0.30)
+    sync = predict(Plan("sync", K=4), costs, Acceptance(alpha=0.7), 1)
+    assert sync.parts["verify"] == pytest.approx(ours(5))
+    unpacked = Costs(1, ours, ours, ours, ours, None)
+    assert predict(Plan("plain"), unpacked, Acceptance(alpha=0.7), 1).round_s == pytest.approx(ours(1))
