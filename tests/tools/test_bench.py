@@ -120,6 +120,8 @@ def test_plan_methods():
     assert [m.engine_compiled for m in both] == [False, True, False, False, True, True]
     assert all(m.compiled for m in both if m.engine_compiled)  # warmed up until no new graph, timed runs checked
     assert [m.name for m in plan_methods(BenchConfig(methods=("sd",), compile="on"), [])] == ["sd+compile"]
+    unpacked = plan_methods(BenchConfig(methods=("sd", "sd:unpacked")), [])
+    assert [(m.name, m.kind, m.option) for m in unpacked] == [("sd", "sd", None), ("sd:unpacked", "sd", "unpacked")]
 
 
 def test_K_and_budget_sweeps_make_one_row_each_and_our_SD_is_its_best_K():

@@ -69,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(transformers' compile_config path; compiled in the warm-up); hf = every --hf-schedules "
                         f"assisted schedule (or one: {','.join('hf:' + s for s in HF_SCHEDULES)}); "
                         "hf:prompt-lookup = transformers' prompt lookup decoding (prompt_lookup_num_tokens=K); "
-                        "sd = our sync SD; ssd = SSD with every --workers kind; auto = ssd=True with no option; "
+                        "sd = our sync SD; sd:unpacked = the same with ssd_packed_linear=False (torch's GEMM, not the packed "
+                        "few-row kernel); ssd = SSD with every --workers kind; auto = ssd=True with no option; "
                         "auto:warmup = the same after hf_ssd.warmup(draft_process=True) (not with auto). "
                         f"{' and '.join(OPTIONAL_METHODS)} failing is reported, not fatal")
     g.add_argument("--hf-schedules", type=_csv(str), help="transformers schedules: constant,heuristic,default")

@@ -53,6 +53,7 @@ _HF_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_
 # (say torch.compile on an unsupported machine) the error goes into the report and the bench carries on.
 METHOD_FAMILIES = ("plain", "hf", "sd", "ssd", "auto")
 OPTIONAL_METHODS = ("plain:static-compile", "hf:prompt-lookup")
+SD_UNPACKED = "sd:unpacked"  # our SD with ssd_packed_linear=False (not in the default set)
 DEFAULT_METHODS = ("plain", "plain:static-compile", "hf", "hf:prompt-lookup", "sd", "ssd", "auto")
 # ssd=True after `hf_ssd.warmup(target, draft, draft_process=True)`, as a server would start: the kept draft process
 # is up before the first call. Not beside "auto": once up, that process serves every ssd=True row of the run.
@@ -217,6 +218,8 @@ def generate_once(method: Method, target, draft, ids, mask, *, cfg: BenchConfig,
         # cfg.draft_quantize to it already), not the engine's own "auto" int8 choice
         kw.update(assistant_model=draft, ssd=True, ssd_mode="sync" if method.kind == "sd" else "ssd",
                   ssd_num_draft_tokens=method.K, ssd_draft_quantize=None)
+        if method.option == "unpacked":
+            kw["ssd_packed_linear"] = False
         if method.kind == "ssd":
             kept = process if method.option == "process" else None
             kw.update(ssd_worker=kept or method.option, ssd_downweight=cfg.downweight)
@@ -251,7 +254,7 @@ def plan_methods(cfg: BenchConfig, workers: list[str]) -> list[Method]:
     'hf' = every schedule in cfg.hf_schedules ('hf:<schedule>' names one), 'ssd' = every available worker.
     Several K (and budgets): one row of each method that drafts a fixed K per K (SSD: per K and budget), named
     "sd@K3", "ssd:process+compile@K3b16", so each method can be compared at its best K in one run."""
-    known = {*METHOD_FAMILIES, *OPTIONAL_METHODS, AUTO_WARMUP, *(f"hf:{s}" for s in HF_SCHEDULES)}
+    known = {*METHOD_FAMILIES, *OPTIONAL_METHODS, AUTO_WARMUP, SD_UNPACKED, *(f"hf:{s}" for s in HF_SCHEDULES)}
     unknown = [m for m in cfg.methods if m not in known]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; choose from {sorted(known)}")
@@ -285,6 +288,8 @@ def plan_methods(cfg: BenchConfig, workers: list[str]) -> list[Method]:
     suffix = {False: "", True: "+compile"}
     if "sd" in cfg.methods:
         ms += [m for c in variants for m in per_K("sd" + suffix[c], "sd", compiled=c)]
+    if SD_UNPACKED in cfg.methods:  # the same SD with torch's own GEMM: what the packed linear kernel adds
+        ms += [m for c in variants for m in per_K(SD_UNPACKED + suffix[c], "sd", "unpacked", compiled=c)]
     if "ssd" in cfg.methods:
         ms += [m for c in variants for w in workers for m in per_K(f"ssd:{w}" + suffix[c], "ssd", w, c, True)]
     if "auto" in cfg.methods:  # +compile: ssd=True plus the two compile options; the controller still decides
