@@ -30,6 +30,7 @@ from hf_ssd.draft.model import DraftModel
 from hf_ssd.draft.protocol import Drafter
 from hf_ssd.draft.quant import quantized_draft
 from hf_ssd.draft.sync import NullDrafter, SyncDrafter
+from hf_ssd.kernels.packed_linear import describe as packed_linear_description
 from hf_ssd.runtime.engine import Engine, RowOutputs
 from hf_ssd.runtime.kv import CachedModel, input_device
 from hf_ssd.runtime.processing import check_processors, with_temperature
@@ -207,6 +208,8 @@ def run_session(
         if config.compile_target:
             target_kv = static_target_cache(target, B, generation_config.max_length)
         target_kv = target_kv or CachedModel(target, B, config.packed_linear)
+        stats.packed_linear = (packed_linear_description(target) if isinstance(target_kv, CachedModel)
+                               else "off: the target's verify runs compiled (ssd_compile_target)")
         engine = Engine(target_kv, drafter, processors, stopping, generation_config, stats, generator, streamer)
         start = time.perf_counter()
         if config.target_threads is not None:

@@ -127,3 +127,15 @@ def test_the_option_is_validated():
     with pytest.raises(ValueError, match="packed_linear"):
         SSDConfig(packed_linear="yes")
     assert SSDConfig(packed_linear=False).packed_linear is False
+
+
+def test_ssd_stats_say_whether_the_target_ran_packed(pack_everything):
+    p = get_pair("llama")
+    ids = prompt(5, seed=3)
+    on = ssd_generate(p.target, p.related, ids, max_new_tokens=4, ssd_mode="sync", ssd_num_draft_tokens=2,
+                      ssd_packed_linear=True, return_dict_in_generate=True)
+    assert on.ssd_stats["packed_linear"].startswith("on: ")
+    other = get_pair("gpt2")
+    off = ssd_generate(other.target, other.related, ids, max_new_tokens=4, ssd_mode="sync", ssd_num_draft_tokens=2,
+                       ssd_packed_linear=False, return_dict_in_generate=True)
+    assert off.ssd_stats["packed_linear"].startswith("off: ")

@@ -135,12 +135,18 @@ class PackedWeights:
     packing (its version moved) or replaced is simply not served: its layer runs torch's own GEMM."""
 
     def __init__(self, model: torch.nn.Module, min_elements: int | None = None):
+        start = time.perf_counter()
         self.by_id: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
         with torch.no_grad():
             for weight in packable_weights(model, min_elements):
                 if id(weight) not in self.by_id:  # tied weights (embedding = lm_head) packed once
                     self.by_id[id(weight)] = (weight, weight._version, pack(weight))
         self.bytes = sum(p.numel() * p.element_size() for _, _, p in self.by_id.values())
+        self.pack_s = time.perf_counter() - start  # once per model and process
+
+    @property
+    def summary(self) -> str:
+        return f"on: {len(self.by_id)} weights, {self.bytes / 2**30:.2f} GiB packed in {self.pack_s:.1f} s"
 
     def lookup(self, weight: torch.Tensor) -> torch.Tensor | None:
         entry = self.by_id.get(id(weight))
@@ -178,6 +184,15 @@ class PackedLinearMode(TorchFunctionMode):
 # ---- which models get it -------------------------------------------------------------------------------------------
 _MODELS: "weakref.WeakKeyDictionary[torch.nn.Module, PackedWeights | None]" = weakref.WeakKeyDictionary()
 _WARNED: set[str] = set()
+_WHY_NOT: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+
+
+def describe(model: torch.nn.Module) -> str:
+    """One line for ssd_stats: the model's packed weights, or why it has none."""
+    packed = _MODELS.get(model)
+    if packed is not None:
+        return packed.summary
+    return "off: " + _WHY_NOT.get(model, "not asked for (ssd_packed_linear=False)")
 
 
 def _available_memory() -> int | None:
@@ -202,10 +217,11 @@ def weights_for(model: torch.nn.Module, wanted: bool | str = "auto",
         return _MODELS[model]
     weights = packable_weights(model, min_elements)
     if not weights:
+        floor = MIN_ELEMENTS if min_elements is None else min_elements
+        _WHY_NOT[model] = f"no float32 CPU Linear weight of at least {floor} elements (smaller ones stay in cache)"
         if wanted is True:
             raise ValueError(f"ssd_packed_linear=True: the model has no float32 CPU Linear weight of at least "
-                             f"{MIN_ELEMENTS if min_elements is None else min_elements} elements to pack; use "
-                             f"'auto' or False")
+                             f"{floor} elements to pack; use 'auto' or False")
         _MODELS[model] = None
         return None
     if wanted is True:
@@ -218,6 +234,7 @@ def weights_for(model: torch.nn.Module, wanted: bool | str = "auto",
             reason = (f"its packed copy needs {needed / 2**30:.1f} GiB and {free / 2**30:.1f} GiB are free "
                       f"(set ssd_packed_linear=True to pack anyway)")
         if reason is not None:
+            _WHY_NOT[model] = reason
             if reason not in _WARNED:
                 _WARNED.add(reason)
                 logger.warning("hf_ssd: few-row float32 forwards keep torch's GEMM (packed kernel off): %s", reason)

@@ -60,6 +60,8 @@ class SSDStats:
     eager_call: bool = False  # a compiled setting's call that ran eagerly (session.eager_call): no compiled loop
     plain_probe: Any = None  # a call handed to plain decoding: measures α along its answer (control.plain_acceptance)
     draft_static: bool = False  # the Saguaro draft side ran on the static, fixed-shape cache (ssd_compile)
+    # the target's few-row forwards through the packed linear kernel (kernels/packed_linear): "on: ..." or "off: why"
+    packed_linear: str | None = None
     draft_compiled: bool = False  # ... and its glue and tree forwards ran as compiled graphs
     draft_compile_s: float = 0.0  # seconds this generation spent compiling them (0 when already compiled)
     # seconds of one compiled forward in the last tree, on a CPU (the rest of the tree's time is its fixed work);
@@ -157,6 +159,7 @@ class SSDStats:
             "fallback_reason": self.fallback_reason,
             "controller": self.controller,
             "eager_call": self.eager_call,
+            "packed_linear": self.packed_linear,
             "draft_static": self.draft_static,
             "draft_compiled": self.draft_compiled,
             "draft_compile_s": self.draft_compile_s,
