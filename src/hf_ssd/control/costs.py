@@ -162,8 +162,18 @@ def measure_curves(batch: int, wanted: list[tuple[PreTrainedModel, int, int | No
 
 
 def _forwards(model: PreTrainedModel, batch: int, n: int, repeats: int, threads: int | None, ready, out: dict,
-              key: str) -> None:
-    """`repeats` forwards of n tokens per row after a short prefill; seconds from `ready` to the last one."""
+              key: str, packed: bool = True) -> None:
+    """`repeats` forwards of n tokens per row after a short prefill; seconds from `ready` to the last one. packed:
+    through the packed linear kernel, as the engine runs them, where the model has packed weights (memory-bound
+    forwards on both sides share the memory bus: measured unpacked, compute-bound, the default pair's overlap
+    looked far better than its packed rounds then ran)."""
+    weights = packed_linear_weights(model) if packed else None
+    with PackedLinearMode(weights) if weights is not None else contextlib.nullcontext():
+        _unpacked_forwards(model, batch, n, repeats, threads, ready, out, key)
+
+
+def _unpacked_forwards(model: PreTrainedModel, batch: int, n: int, repeats: int, threads: int | None, ready,
+                       out: dict, key: str) -> None:
     if threads is not None:
         torch.set_num_threads(threads)
     device = input_device(model)
@@ -182,7 +192,7 @@ def _forwards(model: PreTrainedModel, batch: int, n: int, repeats: int, threads:
 
 
 def measure_overlap(target: PreTrainedModel, draft: PreTrainedModel, batch: int, split: tuple[int, int] | None,
-                    n_verify: int = 5, n_tree: int = 8, repeats: int = 3) -> float:
+                    n_verify: int = 5, n_tree: int = 8, repeats: int = 3, packed: bool = True) -> float:
     """Overlap efficiency of the thread worker: the target's verifies in this thread while the draft's tree steps
     run in another, against each alone. Python work holds the GIL, so small or launch-bound models overlap less
     than their forwards' times suggest; 1 = the shorter side hides entirely, 0 = the two run one after the other."""
@@ -192,10 +202,10 @@ def measure_overlap(target: PreTrainedModel, draft: PreTrainedModel, batch: int,
         out: dict = {}
         ready = threading.Barrier(2 if both else 1)
         t, d = split if split is not None else (None, None)
-        worker = threading.Thread(target=_forwards, args=(draft, batch, n_tree, repeats, d, ready, out, "d"))
+        worker = threading.Thread(target=_forwards, args=(draft, batch, n_tree, repeats, d, ready, out, "d", packed))
         if both:
             worker.start()
-        _forwards(target, batch, n_verify, repeats, t, ready, out, "t")
+        _forwards(target, batch, n_verify, repeats, t, ready, out, "t", packed)
         if both:
             worker.join()
         else:
@@ -266,7 +276,7 @@ def measure_costs(target: PreTrainedModel, draft: PreTrainedModel, batch: int, *
     if split is not None:
         t_split, d_split = next(curves), next(curves)
         q_split = next(curves) if quantized else None
-    overlap = measure_overlap(target, draft, batch, split)
+    overlap = measure_overlap(target, draft, batch, split, packed=packed)
     plain_step_s = None
     if packed and packed_linear_weights(target) is not None:  # our forwards are packed, transformers' plain loop is not
         plain_step_s = _plain_step(target, batch, all_threads)
