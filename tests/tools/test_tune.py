@@ -2,6 +2,8 @@
 generate(..., ssd=True) picks up from the model directory."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 
 import torch
@@ -24,6 +26,11 @@ def test_doctor_sentences_from_injected_costs():
     assert "A tree of 32 branches costs 1.66 verifies here: budget 13" in text
     assert "int8 copy of the draft" in text and "cores split 1+1" in text
     assert "Choice: ssd" in text
+    assert "packed few-row kernel" not in text
+    packed = dataclasses.replace(costs, plain_step_s=0.150)  # transformers' own step, where ours run packed
+    text = "\n".join(diagnose(packed, Controller(packed, Memory(), 1, {}, fixed_alpha=0.8)))
+    assert "plain decoding runs at about 6.67 tok/s" in text
+    assert "102.0 ms against 150.0 ms in transformers' own loop" in text
 
 
 def test_doctor_runs_on_a_tiny_pair(capsys):

@@ -23,11 +23,15 @@ def diagnose(costs: Costs, controller: Controller, K: int = 4) -> list[str]:
     t_all, d_all = costs.target(False), costs.draft(False, False)
     lines = [
         f"The target takes {t_all(1) * 1e3:.1f} ms for one token per row (batch {costs.batch}): plain decoding runs at "
-        f"about {costs.batch / t_all(1):.2f} tok/s here.",
+        f"about {costs.batch / costs.plain_step():.2f} tok/s here.",
         f"A verify of K+1={K + 1} tokens costs {t_all(K + 1) / t_all(1):.2f} target steps; a draft step costs "
         f"{d_all(1) / t_all(1):.2f} of one, so synchronous SD with K={K} spends {K * d_all(1) / t_all(K + 1):.2f} "
         "verifies drafting per round.",
     ]
+    if costs.plain_step_s is not None:
+        lines.append(f"Our forwards run the packed few-row kernel (ssd_packed_linear): a one-token target step "
+                     f"{t_all(1) * 1e3:.1f} ms against {costs.plain_step_s * 1e3:.1f} ms in transformers' own loop, "
+                     f"which plain decoding runs ({costs.batch / costs.plain_step_s:.2f} tok/s).")
     if costs.draft_int8_all is not None:
         q1 = costs.draft_int8_all(1)
         lines.append(f"The int8 copy of the draft runs a step in {q1 * 1e3:.1f} ms against "
@@ -39,7 +43,8 @@ def diagnose(costs: Costs, controller: Controller, K: int = 4) -> list[str]:
     else:
         lines.append("There is no spare core (or a GPU shares one device): the draft's tree competes with the verify.")
     lines.append(f"Run in two threads, {costs.overlap:.0%} of the shorter side hides under the longer one (Python work "
-                 "holds the GIL; small, launch-bound models overlap least).")
+                 "holds the GIL; small, launch-bound models overlap least, and so do memory-bound ones that share "
+                 "the memory bus).")
     draft = costs.draft(split, False)
     tree32 = draft(K + 1) + K * draft(32)
     hidden = largest_hidden_budget(costs, K, split)
