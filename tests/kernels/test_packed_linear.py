@@ -39,9 +39,18 @@ def test_pack_matches_the_reference_layout(N, K):
     assert torch.equal(pl.pack(w.t().contiguous().t()), pl.pack_reference(w))  # any strides in
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 11, 12, 13, 24, 25, 48])
+@pytest.fixture(params=["avx512", "avx2"])
+def isa(request, monkeypatch):
+    """Each kernel variant this CPU can run (an AVX-512 CPU runs the AVX2 one too)."""
+    if request.param == "avx512" and pl.cpu_isa() != "avx512":
+        pytest.skip("no AVX-512 here")
+    monkeypatch.setattr(pl, "ISA", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 11, 12, 13, 24, 25, 48])
 @pytest.mark.parametrize("N,K", [(33, 17), (100, 64), (257, 300)])
-def test_products_are_torch_s_up_to_float32_rounding(rows, N, K):
+def test_products_are_torch_s_up_to_float32_rounding(isa, rows, N, K):
     gen = torch.Generator().manual_seed(rows * 1000 + N)
     w, b = torch.randn(N, K, generator=gen), torch.randn(N, generator=gen)
     x = torch.randn(rows, K, generator=gen)
@@ -55,7 +64,7 @@ def test_products_are_torch_s_up_to_float32_rounding(rows, N, K):
     assert (got.double() - exact).abs().max().item() <= 4 * torch_err + 1e-5
 
 
-def test_leading_dimensions_are_kept():
+def test_leading_dimensions_are_kept(isa):
     w = torch.randn(40, 24)
     x = torch.randn(2, 3, 24)
     out = pl.packed_linear(x, pl.pack(w), 40)
@@ -139,3 +148,13 @@ def test_ssd_stats_say_whether_the_target_ran_packed(pack_everything):
     off = ssd_generate(other.target, other.related, ids, max_new_tokens=4, ssd_mode="sync", ssd_num_draft_tokens=2,
                        ssd_packed_linear=False, return_dict_in_generate=True)
     assert off.ssd_stats["packed_linear"].startswith("off: ")
+
+
+def test_the_avx2_variant_leaves_single_rows_to_torch(pack_everything, monkeypatch):
+    monkeypatch.setattr(pl, "ISA", "avx2")
+    layer = torch.nn.Linear(32, 48)
+    weights = pl.weights_for(layer, True)
+    with torch.no_grad(), pl.PackedLinearMode(weights):
+        one = layer(torch.randn(1, 32))
+        layer(torch.randn(3, 32))
+    assert pack_everything["n"] == 1 and one.shape == (1, 48)

@@ -1,7 +1,7 @@
 // A float32 linear layer for a few rows of input at a time (a verify block, a draft tree, one decode step) on an
-// AVX-512 CPU: y = x @ w.T with w packed once into blocks of 32 output columns, each block one contiguous stream of
-// K x 32 weights. Every weight is read once per call for up to MAX_ROWS rows of x, so the call costs about what
-// reading the weights costs whatever the rows: torch's GEMM on few rows reads its weights several times (packing
+// AVX-512 or AVX2 CPU: y = x @ w.T with w packed once into blocks of 32 output columns, each block one contiguous
+// stream of K x 32 weights. Every weight is read once per call for up to 12 rows of x (AVX2: 6), so the call costs
+// about what reading the weights costs whatever the rows: torch's GEMM on few rows reads its weights several times (packing
 // them per call), and there a 3-row product cost 3x a 1-row one on the project's CPU.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -12,16 +12,18 @@
 
 namespace {
 
-constexpr int64_t LANES = 16;         // floats per AVX-512 register
-constexpr int64_t BLOCK = 2 * LANES;  // output columns per block: two registers per row of x
-constexpr int64_t MAX_ROWS = 12;      // rows of x per pass: 2 x 12 accumulators + 2 weights + 1 broadcast <= 32 registers
+constexpr int64_t BLOCK = 32;  // output columns per packed block
+
+// AVX-512: a block is two registers per row of x; 12 rows keep 24 accumulators + 2 weights + 1 broadcast in 32.
+constexpr int64_t ROWS_512 = 12;
 
 template <int ROWS>
-void block_product(const float* x, int64_t K, const float* block, float* out /* ROWS x BLOCK */) {
+__attribute__((target("avx512f,fma"))) void block_product_512(const float* x, int64_t K, const float* block,
+                                                                 float* out /* ROWS x BLOCK */) {
   __m512 lo[ROWS], hi[ROWS];
   for (int r = 0; r < ROWS; ++r) { lo[r] = _mm512_setzero_ps(); hi[r] = _mm512_setzero_ps(); }
   for (int64_t k = 0; k < K; ++k) {
-    const __m512 w_lo = _mm512_loadu_ps(block + k * BLOCK), w_hi = _mm512_loadu_ps(block + k * BLOCK + LANES);
+    const __m512 w_lo = _mm512_loadu_ps(block + k * BLOCK), w_hi = _mm512_loadu_ps(block + k * BLOCK + 16);
     for (int r = 0; r < ROWS; ++r) {
       const __m512 xk = _mm512_set1_ps(x[r * K + k]);
       lo[r] = _mm512_fmadd_ps(xk, w_lo, lo[r]);
@@ -30,15 +32,44 @@ void block_product(const float* x, int64_t K, const float* block, float* out /* 
   }
   for (int r = 0; r < ROWS; ++r) {
     _mm512_storeu_ps(out + r * BLOCK, lo[r]);
-    _mm512_storeu_ps(out + r * BLOCK + LANES, hi[r]);
+    _mm512_storeu_ps(out + r * BLOCK + 16, hi[r]);
+  }
+}
+
+// AVX2: 16 registers, so a block goes in two halves of 16 columns (two registers per row of x), 6 rows at a time:
+// 12 accumulators + 2 weights + 1 broadcast. The block's second half comes from cache (K x 32 floats, ~200 KB).
+constexpr int64_t ROWS_256 = 6;
+
+template <int ROWS>
+__attribute__((target("avx2,fma"))) void block_product_256(const float* x, int64_t K, const float* block,
+                                                              float* out /* ROWS x BLOCK */) {
+  for (int64_t half = 0; half < BLOCK; half += 16) {
+    __m256 lo[ROWS], hi[ROWS];
+    for (int r = 0; r < ROWS; ++r) { lo[r] = _mm256_setzero_ps(); hi[r] = _mm256_setzero_ps(); }
+    for (int64_t k = 0; k < K; ++k) {
+      const float* w = block + k * BLOCK + half;
+      const __m256 w_lo = _mm256_loadu_ps(w), w_hi = _mm256_loadu_ps(w + 8);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256 xk = _mm256_broadcast_ss(x + r * K + k);
+        lo[r] = _mm256_fmadd_ps(xk, w_lo, lo[r]);
+        hi[r] = _mm256_fmadd_ps(xk, w_hi, hi[r]);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      _mm256_storeu_ps(out + r * BLOCK + half, lo[r]);
+      _mm256_storeu_ps(out + r * BLOCK + half + 8, hi[r]);
+    }
   }
 }
 
 using BlockProduct = void (*)(const float*, int64_t, const float*, float*);
-const BlockProduct BY_ROWS[MAX_ROWS + 1] = {
-    nullptr, block_product<1>, block_product<2>, block_product<3>, block_product<4>, block_product<5>,
-    block_product<6>, block_product<7>, block_product<8>, block_product<9>, block_product<10>, block_product<11>,
-    block_product<12>};
+const BlockProduct BY_ROWS_512[ROWS_512 + 1] = {
+    nullptr, block_product_512<1>, block_product_512<2>, block_product_512<3>, block_product_512<4>,
+    block_product_512<5>, block_product_512<6>, block_product_512<7>, block_product_512<8>, block_product_512<9>,
+    block_product_512<10>, block_product_512<11>, block_product_512<12>};
+const BlockProduct BY_ROWS_256[ROWS_256 + 1] = {
+    nullptr, block_product_256<1>, block_product_256<2>, block_product_256<3>, block_product_256<4>,
+    block_product_256<5>, block_product_256<6>};
 
 }  // namespace
 
@@ -51,23 +82,26 @@ torch::Tensor pack(torch::Tensor w) {
   return padded.view({blocks, BLOCK, K}).transpose(1, 2).contiguous();
 }
 
-// x [..., K] float32, packed from pack(w) with w [N, K] -> x @ w.T [..., N]
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
+// x [..., K] float32, packed from pack(w) with w [N, K] -> x @ w.T [..., N]; avx512: the AVX-512 kernel, else AVX2
+// (the caller checks the CPU has it).
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, bool avx512) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && packed.scalar_type() == torch::kFloat32, "float32 only");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == BLOCK && packed.size(1) == x.size(-1), "shape mismatch");
   auto rows = x.reshape({-1, x.size(-1)}).contiguous();
   const int64_t M = rows.size(0), K = rows.size(1), blocks = packed.size(0);
+  const int64_t max_rows = avx512 ? ROWS_512 : ROWS_256;
+  const BlockProduct* by_rows = avx512 ? BY_ROWS_512 : BY_ROWS_256;
   auto y = torch::empty({M, N}, x.options());
   const float* xp = rows.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
-    alignas(64) float tile[MAX_ROWS * BLOCK];
+    alignas(64) float tile[ROWS_512 * BLOCK];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * BLOCK, width = std::min(BLOCK, N - n0);
-      for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-        const int64_t count = std::min(MAX_ROWS, M - m0);
-        BY_ROWS[count](xp + m0 * K, K, wp + b * K * BLOCK, tile);
+      for (int64_t m0 = 0; m0 < M; m0 += max_rows) {
+        const int64_t count = std::min(max_rows, M - m0);
+        by_rows[count](xp + m0 * K, K, wp + b * K * BLOCK, tile);
         for (int64_t r = 0; r < count; ++r)
           std::memcpy(yp + (m0 + r) * N + n0, tile + r * BLOCK, width * sizeof(float));
       }
