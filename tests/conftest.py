@@ -24,3 +24,27 @@ def pair(request) -> Pair:
 @pytest.fixture
 def llama() -> Pair:
     return get_pair("llama")
+
+
+@pytest.fixture
+def pack_everything(monkeypatch) -> dict:
+    """Every float32 Linear is packed for the packed few-row kernel (the tiny test models' weights are far below its
+    size threshold), what the test packs is forgotten after it, and the kernel's calls are counted (["n"]). Skips
+    where the kernel cannot build or run."""
+    import weakref
+
+    from hf_ssd.kernels import packed_linear as pl
+
+    if pl.unavailable_reason() is not None:
+        pytest.skip(f"packed kernel unavailable here: {pl.unavailable_reason()}")
+    monkeypatch.setattr(pl, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(pl, "_MODELS", weakref.WeakKeyDictionary())
+    calls = {"n": 0}
+    kernel = pl.packed_linear
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(pl, "packed_linear", counted)
+    return calls

@@ -184,32 +184,19 @@ def test_output_distribution_is_exact(models, name):
 
 
 @pytest.mark.parametrize("name", ["ssd_C03", "sync_topk_topp"])
-def test_output_distribution_is_exact_with_the_packed_kernel(models, monkeypatch, name):
+def test_output_distribution_is_exact_with_the_packed_kernel(models, monkeypatch, pack_everything, name):
     """Every float32 Linear of both models through the packed few-row kernel (kernels/packed_linear; the tiny
     models' weights are far below its size threshold, so it is forced): the law is still the target's."""
-    import weakref
-
     from hf_ssd.kernels import packed_linear as pl
 
-    if pl.unavailable_reason() is not None:
-        pytest.skip(f"packed kernel unavailable here: {pl.unavailable_reason()}")
-    monkeypatch.setattr(pl, "MIN_ELEMENTS", 0)
     monkeypatch.setattr(pl, "MAX_ROWS", 1 << 30)  # one batch of N rows: far more rows than a real call's
-    monkeypatch.setattr(pl, "_MODELS", weakref.WeakKeyDictionary())
-    calls = {"n": 0}
-    kernel = pl.packed_linear
-
-    def counted(*args, **kwargs):
-        calls["n"] += 1
-        return kernel(*args, **kwargs)
-
-    monkeypatch.setattr(pl, "packed_linear", counted)
     case = CASES[name]
     prompts = [PROMPT_A, PROMPT_B] if name == "ssd_C03" else [PROMPT_A]
     pv, tvs, s = check(models, prompts, seed=40 + list(CASES).index(name), warp=case["warp"],
                        ssd_packed_linear=True, **case["ssd"])
     assert pv > ALPHA, f"{name}: p={pv:.2e} tv={tvs} stats={s}"
-    assert calls["n"] > 0 and 0 < s["mean_accepted"], s
+    assert pack_everything["n"] > 0 and 0 < s["mean_accepted"], s
+
 
 # The static drafter carrying the tree over (draft.static_saguaro): forced on every round it can (the first included),
 # eager static cache, L = 4 tokens: a delayed branch's speculation (K - 1 drafts, after a round that accepted all)

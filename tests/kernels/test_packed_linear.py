@@ -15,23 +15,6 @@ pytestmark = pytest.mark.skipif(pl.unavailable_reason() is not None,
                                 reason=f"packed kernel unavailable here: {pl.unavailable_reason()}")
 
 
-@pytest.fixture
-def pack_everything(monkeypatch):
-    """Every float32 Linear is packed (the tiny test models' are far below MIN_ELEMENTS), and what this test packs
-    is forgotten after it; counts the kernel's calls."""
-    monkeypatch.setattr(pl, "MIN_ELEMENTS", 0)
-    monkeypatch.setattr(pl, "_MODELS", weakref.WeakKeyDictionary())
-    calls = {"n": 0}
-    kernel = pl.packed_linear
-
-    def counted(*args, **kwargs):
-        calls["n"] += 1
-        return kernel(*args, **kwargs)
-
-    monkeypatch.setattr(pl, "packed_linear", counted)
-    return calls
-
-
 @pytest.mark.parametrize("N,K", [(1, 1), (33, 17), (64, 64), (100, 7), (300, 129)])
 def test_pack_matches_the_reference_layout(N, K):
     w = torch.randn(N, K)
