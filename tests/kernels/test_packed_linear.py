@@ -141,3 +141,19 @@ def test_the_avx2_variant_leaves_single_rows_to_torch(pack_everything, monkeypat
         one = layer(torch.randn(1, 32))
         layer(torch.randn(3, 32))
     assert pack_everything["n"] == 1 and one.shape == (1, 48)
+
+
+def test_a_grouped_prefill_packs_only_what_its_cache_packs(monkeypatch):
+    """ssd_packed_linear=False must not pack anything behind the user's back: the prefill's group caches follow
+    the cache they fill."""
+    from hf_ssd.runtime import prefill
+    from hf_ssd.runtime.kv import CachedModel
+
+    monkeypatch.setattr(pl, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(pl, "_MODELS", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(prefill, "FORWARD_TOKENS", {"cpu": 1, "cuda": 1})  # group even this small batch
+    model = get_pair("llama").target
+    ids, mask = left_pad([prompt(3, seed=1)[0], prompt(11, seed=2)[0]])
+    kv = CachedModel(model, 2, packed_linear=False)
+    prefill.prefill_prompt(kv, ids, mask)
+    assert kv.packed is None and pl._MODELS.get(model) is None

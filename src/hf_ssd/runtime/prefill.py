@@ -86,7 +86,8 @@ def prefill_prompt(kv, prompt: torch.Tensor, mask: torch.Tensor) -> None:
         return
     parts = []
     for g in groups:
-        part = CachedModel(kv.model, len(g.rows))
+        # packed as the cache it fills is (a static cache's forwards are not): ssd_packed_linear=False packs nothing
+        part = CachedModel(kv.model, len(g.rows), packed_linear=getattr(kv, "packed", None) is not None)
         rows = torch.tensor(g.rows, device=tokens.device)
         part.forward(tokens[rows, g.start:], positions[rows, g.start:], valid[rows, g.start:], prefill=True)
         parts.append((g, part))
