@@ -12,7 +12,6 @@ read off these curves.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from hf_ssd.kernels.packed_linear import PackedLinearMode
+from hf_ssd.kernels.packed_linear import applied as packed_linear_applied
 from hf_ssd.kernels.packed_linear import weights_for as packed_linear_weights
 from hf_ssd.runtime.kv import cache_argument, input_device, position_limit
 
@@ -98,8 +97,7 @@ def time_widths(model: PreTrainedModel, batch: int, widths: tuple[int, ...], pre
     and one untimed forward of one token; each forward's tokens are cropped off before the next. packed: as our
     engine runs them, through the packed linear kernel where the model has packed weights (False: torch's own
     GEMM, as transformers' loop runs)."""
-    weights = packed_linear_weights(model) if packed else None
-    with PackedLinearMode(weights) if weights is not None else contextlib.nullcontext():
+    with packed_linear_applied(packed_linear_weights(model) if packed else None):
         return _time_widths(model, batch, widths, prefix)
 
 
@@ -146,7 +144,8 @@ def measure_curve(model: PreTrainedModel, batch: int, n_max: int, threads: int |
         torch.set_num_threads(before)
 
 
-def measure_curves(batch: int, wanted: list[tuple[PreTrainedModel, int, int | None]], packed: bool = True) -> list[Curve]:
+def measure_curves(batch: int, wanted: list[tuple[PreTrainedModel, int, int | None]],
+                   packed: bool = True) -> list[Curve]:
     """A curve for each (model, n_max, threads) in `wanted`. A setting asked for twice (the paper setting's split
     gives the target the one thread it already has) is timed once with two passes, not twice for two curves: the
     same forwards, a steadier curve."""
@@ -167,8 +166,7 @@ def _forwards(model: PreTrainedModel, batch: int, n: int, repeats: int, threads:
     through the packed linear kernel, as the engine runs them, where the model has packed weights (memory-bound
     forwards on both sides share the memory bus: measured unpacked, compute-bound, the default pair's overlap
     looked far better than its packed rounds then ran)."""
-    weights = packed_linear_weights(model) if packed else None
-    with PackedLinearMode(weights) if weights is not None else contextlib.nullcontext():
+    with packed_linear_applied(packed_linear_weights(model) if packed else None):
         _unpacked_forwards(model, batch, n, repeats, threads, ready, out, key)
 
 

@@ -192,6 +192,13 @@ class PackedLinearMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def applied(weights: PackedWeights | None):
+    """The mode over `weights`, or nothing to enter where the model has none."""
+    import contextlib
+
+    return PackedLinearMode(weights) if weights is not None else contextlib.nullcontext()
+
+
 # ---- which models get it -------------------------------------------------------------------------------------------
 _MODELS: "weakref.WeakKeyDictionary[torch.nn.Module, PackedWeights | None]" = weakref.WeakKeyDictionary()
 _WARNED: set[str] = set()

@@ -8,13 +8,12 @@ are cropped; rows that finished are dropped from the batch.
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from hf_ssd.kernels.packed_linear import PackedLinearMode
+from hf_ssd.kernels.packed_linear import applied as packed_linear_applied
 from hf_ssd.kernels.packed_linear import weights_for as packed_linear_weights
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -181,7 +180,7 @@ class CachedModel:
             if self.layer_types is not None:
                 mask = {"full_attention": self._mask(attend, positions, None), "sliding_attention": mask}
         model_positions = positions if self.max_position is None else positions.clamp_max(self.max_position - 1)
-        with PackedLinearMode(self.packed) if self.packed is not None else contextlib.nullcontext():
+        with packed_linear_applied(self.packed):
             out = self.model(
                 input_ids=tokens, position_ids=model_positions, attention_mask=mask, use_cache=True,
                 **{self.cache_kw: self.cache}, **(self.prefill_kw if prefill else {}),
