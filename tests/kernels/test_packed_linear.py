@@ -47,6 +47,19 @@ def test_products_are_torch_s_up_to_float32_rounding(isa, rows, N, K):
     assert (got.double() - exact).abs().max().item() <= 4 * torch_err + 1e-5
 
 
+def test_a_call_runs_on_torch_s_threads():
+    """Built without OpenMP, at::parallel_for runs serially: the kernel then used one core whatever torch's thread
+    count (the equal setting's forwards ran at half speed)."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert pl.extension().threads_used(16) == 2
+        torch.set_num_threads(1)
+        assert pl.extension().threads_used(16) == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_leading_dimensions_are_kept(isa):
     w = torch.randn(40, 24)
     x = torch.randn(2, 3, 24)
@@ -58,7 +71,7 @@ def test_leading_dimensions_are_kept(isa):
 def test_the_mode_serves_packed_weights_of_few_float32_rows_only(pack_everything):
     layer = torch.nn.Linear(32, 48)
     weights = pl.weights_for(layer, True)
-    few, many = torch.randn(2, 32), torch.randn(pl.MAX_ROWS + 1, 32)
+    few, many = torch.randn(2, 32), torch.randn(weights.max_rows + 1, 32)
     with torch.no_grad(), pl.PackedLinearMode(weights):
         out_few = layer(few)
         assert pack_everything["n"] == 1
@@ -70,6 +83,41 @@ def test_the_mode_serves_packed_weights_of_few_float32_rows_only(pack_everything
     assert out_double.dtype == torch.float64
     assert torch.equal(out_many, F.linear(many, layer.weight, layer.bias))
     assert torch.allclose(out_few, F.linear(few, layer.weight, layer.bias), atol=1e-5)
+
+
+def test_rows_past_the_floor_are_packed_up_to_the_first_measured_loss():
+    w = torch.randn(64, 32)
+    packed = pl.pack(w)
+    ladder = [r for r in pl.CALIBRATION_ROWS if r > pl.MAX_ROWS]
+
+    def measured(loses_from, outlier_at=None):
+        """Injected (packed, torch) seconds: the kernel loses from `loses_from` rows on, and its first
+        measurement at `outlier_at` rows is a slow outlier."""
+        seen = []
+
+        def measure(rows):
+            seen.append(rows)
+            outlier = rows == outlier_at and seen.count(rows) == 1
+            return (2.0 if rows >= loses_from or outlier else 0.5), 1.0
+        return measure
+
+    assert pl.rows_where_packed_wins(w, packed, measured(ladder[0])) == pl.MAX_ROWS
+    assert pl.rows_where_packed_wins(w, packed, measured(ladder[2])) == ladder[1]
+    assert pl.rows_where_packed_wins(w, packed, measured(10**9)) == ladder[-1]
+    assert pl.rows_where_packed_wins(w, packed, measured(10**9, outlier_at=ladder[1])) == ladder[-1]
+    assert pl.rows_where_packed_wins(w, packed) >= pl.MAX_ROWS  # the real measurement runs
+
+
+def test_the_measured_rows_decide_where_the_mode_hands_over(pack_everything):
+    layer = torch.nn.Linear(32, 48)
+    weights = pl.weights_for(layer, True)
+    assert weights.max_rows >= pl.MAX_ROWS and f"up to {weights.max_rows} rows" in weights.summary
+    weights.max_rows = 100
+    with torch.no_grad(), pl.PackedLinearMode(weights):
+        layer(torch.randn(100, 32))
+        assert pack_everything["n"] == 1
+        layer(torch.randn(101, 32))
+    assert pack_everything["n"] == 1
 
 
 def test_a_weight_edited_after_packing_is_not_served_stale(pack_everything):

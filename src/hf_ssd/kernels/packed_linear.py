@@ -8,7 +8,8 @@ about 2 ms. Here each large weight is packed once per process into blocks of 32 
 pair's target (Qwen2.5-Coder-1.5B, float32, one thread) a 3-token forward cost 3.0x a 1-token one before.
 
 It applies inside `PackedLinearMode`, which the engine's dynamic-cache forwards enter (runtime/kv.py): only
-`torch.nn.functional.linear` calls on a weight packed here, with float32 input of at most MAX_ROWS rows, take it;
+`torch.nn.functional.linear` calls on a weight packed here, with float32 input of at most MAX_ROWS rows (or more,
+where a measurement at packing says the kernel is still faster there), take it;
 everything else runs as before. The packed copy costs the weights' memory once more (float32 target of 1.5B
 parameters: ~6 GB), so "auto" packs only where the machine has that memory free.
 
@@ -31,7 +32,11 @@ from torch.overrides import TorchFunctionMode
 logger = logging.getLogger(__name__)
 
 BLOCK = 32  # output columns per packed block (packed_linear.cpp)
-MAX_ROWS = 48  # rows of input up to which the packed kernel runs; longer inputs (prefill) keep torch's GEMM
+MAX_ROWS = 48  # rows of input up to which the packed kernel always runs (1.6-7x torch's GEMM here, 1 or 2 threads)
+# Past MAX_ROWS (a batch's verify block, a prefill) torch's GEMM may catch up, depending on the CPU and its BLAS: each
+# model measures these row counts once, at packing, on its most common weight shape, and keeps the kernel up to
+# the last one where it was faster (the project's AMD CPU with MKL: faster at all of them, 1.2x at 1536 rows)
+CALIBRATION_ROWS = (96, 192, 384, 768, 1536)
 # ... and from which: the AVX2 variant (run on the project's AVX-512 CPU, 1536 x 8960 weight, one thread) made
 # 1 row in 5.1 ms against torch's 4.8, 3 rows 4.3 against 14.7, 5 rows 5.1 against 8.9, 9 rows 9.8 against 11.1
 MIN_ROWS = {"avx512": 1, "avx2": 2}
@@ -76,7 +81,10 @@ def extension():
             logger.info("loading hf_ssd's packed linear kernel (built once per machine, ~30 s the first time)")
             start = time.perf_counter()
             # each kernel variant carries its own target attribute: the module loads on any x86-64 CPU
-            module = load(name="hf_ssd_packed_linear", sources=[str(_SOURCE)], extra_cflags=["-O3"], verbose=False)
+            # -fopenmp: at::parallel_for is inline OpenMP; built without it, a call ran on one thread whatever
+            # torch's thread count (2 threads, 512 rows of 8960 x 1536: 134 ms against torch's 94)
+            module = load(name="hf_ssd_packed_linear", sources=[str(_SOURCE)], extra_cflags=["-O3", *_openmp_flags()],
+                          extra_ldflags=_openmp_flags(), verbose=False)
             logger.info("packed linear kernel ready in %.1f s", time.perf_counter() - start)
         except PackedLinearUnavailable as e:
             _STATE["error"] = str(e)
@@ -86,6 +94,12 @@ def extension():
             raise PackedLinearUnavailable(_STATE["error"]) from e
         _STATE["module"] = module
         return module
+
+
+def _openmp_flags() -> list[str]:
+    """The compiler flag that makes at::parallel_for split a call over torch's threads, where torch itself runs on
+    OpenMP (its default CPU build); other backends need none."""
+    return ["-fopenmp"] if "OpenMP" in torch.__config__.parallel_info().split("ATen parallel backend:")[-1] else []
 
 
 def _ninja_on_path() -> None:
@@ -152,17 +166,68 @@ class PackedWeights:
                 if id(weight) not in self.by_id:  # tied weights (embedding = lm_head) packed once
                     self.by_id[id(weight)] = (weight, weight._version, pack(weight))
         self.bytes = sum(p.numel() * p.element_size() for _, _, p in self.by_id.values())
-        self.pack_s = time.perf_counter() - start  # once per model and process
+        self.max_rows = rows_where_packed_wins(*self._commonest_shape()) if self.by_id else MAX_ROWS
+        self.pack_s = time.perf_counter() - start  # once per model and process, the measurement included
+
+    def _commonest_shape(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight (and its packed copy) of the shape that holds the most packed elements: the one whose
+        calls decide what a forward costs."""
+        total: dict[tuple, int] = {}
+        for weight, _, _ in self.by_id.values():
+            total[tuple(weight.shape)] = total.get(tuple(weight.shape), 0) + weight.numel()
+        shape = max(total, key=total.get)
+        weight, _, packed = next(e for e in self.by_id.values() if tuple(e[0].shape) == shape)
+        return weight, packed
 
     @property
     def summary(self) -> str:
-        return f"on: {len(self.by_id)} weights, {self.bytes / 2**30:.2f} GiB packed in {self.pack_s:.1f} s"
+        return (f"on: {len(self.by_id)} weights, {self.bytes / 2**30:.2f} GiB packed in {self.pack_s:.1f} s, "
+                f"up to {self.max_rows} rows")
 
     def lookup(self, weight: torch.Tensor) -> torch.Tensor | None:
         entry = self.by_id.get(id(weight))
         if entry is None or entry[0] is not weight or entry[1] != weight._version:
             return None
         return entry[2]
+
+
+def _best_time(call, repeats: int = 1) -> float:
+    call()  # warm: first-touch of the output, the BLAS's own buffers
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def rows_where_packed_wins(weight: torch.Tensor, packed: torch.Tensor, measure=None) -> int:
+    """The most rows (MAX_ROWS, or one of CALIBRATION_ROWS) up to which the packed kernel beat torch's GEMM on
+    this weight at torch's current thread count. The ladder stops at its first loss, measured twice: one slow call
+    (a burst of page faults) once stopped it at 192 rows, where the kernel wins 1.7x. measure(rows) -> (packed
+    seconds, torch seconds); tests inject it."""
+    measure = measure or _measure_both(weight, packed)
+    def packed_wins(rows: int) -> bool:
+        packed_s, torch_s = measure(rows)
+        return packed_s < torch_s
+
+    best = MAX_ROWS
+    for rows in (r for r in CALIBRATION_ROWS if r > MAX_ROWS):
+        if not (packed_wins(rows) or packed_wins(rows)):
+            break
+        best = rows
+    return best
+
+
+def _measure_both(weight: torch.Tensor, packed: torch.Tensor):
+    kernel = extension().packed_linear  # the kernel itself: the tests count the engine's calls of packed_linear
+
+    def measure(rows: int) -> tuple[float, float]:
+        x = torch.randn(rows, weight.shape[1])
+        with torch.no_grad():
+            return (_best_time(lambda: kernel(x, packed, weight.shape[0], ISA == "avx512")),
+                    _best_time(lambda: F.linear(x, weight)))
+    return measure
 
 
 def packable_weights(model: torch.nn.Module, min_elements: int | None = None) -> list[torch.Tensor]:
@@ -185,7 +250,8 @@ class PackedLinearMode(TorchFunctionMode):
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-            if x.dtype == torch.float32 and x.device.type == "cpu" and MIN_ROWS.get(ISA, 1) <= rows <= MAX_ROWS:
+            if (x.dtype == torch.float32 and x.device.type == "cpu"
+                    and MIN_ROWS.get(ISA, 1) <= rows <= self.weights.max_rows):
                 packed = self.weights.lookup(weight)
                 if packed is not None:
                     return packed_linear(x, packed, weight.shape[0], bias)
