@@ -96,16 +96,13 @@ def test_the_first_decode_forward_after_the_prefill_is_not_timed(monkeypatch):
     assert seconds == {1: pytest.approx(0.001), 2: pytest.approx(0.001)}
 
 
-def test_plain_is_priced_at_transformers_own_step_where_our_forwards_are_packed():
-    """Our forwards run the packed linear kernel, transformers' plain loop does not: plain decoding is priced at
-    the step measured without it (Costs.plain_step_s), the verifies at the engine's own curve."""
+def test_plain_is_priced_at_our_one_token_step():
+    """The plain hand-off runs transformers' loop through the same packed kernel as our forwards (where the target
+    is packed): plain decoding costs our one-token step, a sync round our verify block and drafts."""
     from hf_ssd.control.plan import Acceptance, predict
 
     ours = Curve.straight(0.10, 0.01)  # packed: a verify block costs little more than one token
-    costs = Costs(1, ours, ours, ours, ours, None, plain_step_s=0.30)
-    plain = predict(Plan("plain"), costs, Acceptance(alpha=0.7), 1)
-    assert plain.round_s == pytest.approx(0.30)
+    costs = Costs(1, ours, ours, ours, ours, None)
+    assert predict(Plan("plain"), costs, Acceptance(alpha=0.7), 1).round_s == pytest.approx(ours(1))
     sync = predict(Plan("sync", K=4), costs, Acceptance(alpha=0.7), 1)
     assert sync.parts["verify"] == pytest.approx(ours(5))
-    unpacked = Costs(1, ours, ours, ours, ours, None)
-    assert predict(Plan("plain"), unpacked, Acceptance(alpha=0.7), 1).round_s == pytest.approx(ours(1))

@@ -205,3 +205,33 @@ def test_a_grouped_prefill_packs_only_what_its_cache_packs(monkeypatch):
     kv = CachedModel(model, 2, packed_linear=False)
     prefill.prefill_prompt(kv, ids, mask)
     assert kv.packed is None and pl._MODELS.get(model) is None
+
+
+@pytest.mark.parametrize("packed_linear", [True, False])
+def test_a_plain_hand_off_runs_packed_as_our_forwards_do(pack_everything, monkeypatch, packed_linear):
+    """The controller prices plain decoding at our packed one-token step, so its hand-off to transformers' loop
+    runs packed too (and not where the option is off); same tokens as plain generate()."""
+    from transformers import GenerationMixin
+
+    from hf_ssd.control import controller as ctl_mod
+
+    monkeypatch.setattr(ctl_mod.Controller, "decide", lambda self, current=None, horizon=None:
+                        ctl_mod.Decision(ctl_mod.Plan("plain"), "test: plain is fastest", []))
+    in_loop = {"n": 0}  # kernel calls within transformers' loop (measuring the pair's costs makes some too)
+    sample = GenerationMixin._sample
+
+    def counted_sample(*args, **kwargs):
+        before = pack_everything["n"]
+        try:
+            return sample(*args, **kwargs)
+        finally:
+            in_loop["n"] += pack_everything["n"] - before
+    monkeypatch.setattr(GenerationMixin, "_sample", counted_sample)
+    p = get_pair("llama")
+    ids = prompt(6, seed=3)
+    ref = plain_generate(p.target, ids, max_new_tokens=10)
+    out = p.target.generate(ids, assistant_model=p.related, ssd=True, max_new_tokens=10, do_sample=False,
+                            pad_token_id=0, ssd_packed_linear=packed_linear, return_dict_in_generate=True)
+    assert out.ssd_stats["controller"]["choice"] == "plain"
+    assert torch.equal(out.sequences, ref)
+    assert (in_loop["n"] > 0) == packed_linear

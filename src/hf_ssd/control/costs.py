@@ -65,12 +65,11 @@ class Costs:
     draft_int8_split: Curve | None = None
     probe_s: float = 0.0  # what measuring cost
     overlap: float = 1.0  # how much of the shorter side hides when both sides run in two threads (1 all, 0 none)
-    # a plain step of transformers' own loop where it differs from our engine's one-token forward (our forwards
-    # run the packed linear kernel, kernels/packed_linear; transformers' loop does not); None: target_all(1)
-    plain_step_s: float | None = None
 
     def plain_step(self) -> float:
-        return self.target_all(1) if self.plain_step_s is None else self.plain_step_s
+        """A step of plain decoding: the controller's plain hand-off runs transformers' loop with the same packed
+        linear kernel (kernels/packed_linear) as our one-token forward."""
+        return self.target_all(1)
 
     def draft(self, split: bool, int8: bool) -> Curve:
         if int8 and self.draft_int8_all is not None:
@@ -236,17 +235,6 @@ def core_split(cores: int, target_threads: int) -> tuple[int, int] | None:
 _MEASURED: dict[tuple, Costs] = {}
 
 
-def _plain_step(target: PreTrainedModel, batch: int, threads: int | None, passes: int = 2) -> float:
-    """One step of transformers' own decoding loop (torch's GEMM): the fastest of `passes` timings."""
-    before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        return min(time_widths(target, batch, (1,), packed=False)[1] for _ in range(passes))
-    finally:
-        torch.set_num_threads(before)
-
-
 def measure_costs(target: PreTrainedModel, draft: PreTrainedModel, batch: int, *, n_max: int = 16,
                   int8: bool = False, packed: bool = True) -> Costs:
     """Cost curves of the pair at this batch size, for the caller's thread setting (cached per process). About 20
@@ -275,10 +263,6 @@ def measure_costs(target: PreTrainedModel, draft: PreTrainedModel, batch: int, *
         t_split, d_split = next(curves), next(curves)
         q_split = next(curves) if quantized else None
     overlap = measure_overlap(target, draft, batch, split, packed=packed)
-    plain_step_s = None
-    if packed and packed_linear_weights(target) is not None:  # our forwards are packed, transformers' plain loop is not
-        plain_step_s = _plain_step(target, batch, all_threads)
-    costs = Costs(batch, t_all, d_all, t_split, d_split, split, q_all, q_split, time.perf_counter() - start, overlap,
-                  plain_step_s)
+    costs = Costs(batch, t_all, d_all, t_split, d_split, split, q_all, q_split, time.perf_counter() - start, overlap)
     _MEASURED[key] = costs
     return costs

@@ -28,10 +28,6 @@ def diagnose(costs: Costs, controller: Controller, K: int = 4) -> list[str]:
         f"{d_all(1) / t_all(1):.2f} of one, so synchronous SD with K={K} spends {K * d_all(1) / t_all(K + 1):.2f} "
         "verifies drafting per round.",
     ]
-    if costs.plain_step_s is not None:
-        lines.append(f"Our forwards run the packed few-row kernel (ssd_packed_linear): a one-token target step "
-                     f"{t_all(1) * 1e3:.1f} ms against {costs.plain_step_s * 1e3:.1f} ms in transformers' own loop, "
-                     f"which plain decoding runs ({costs.batch / costs.plain_step_s:.2f} tok/s).")
     if costs.draft_int8_all is not None:
         q1 = costs.draft_int8_all(1)
         lines.append(f"The int8 copy of the draft runs a step in {q1 * 1e3:.1f} ms against "

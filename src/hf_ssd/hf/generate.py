@@ -22,6 +22,8 @@ from hf_ssd.control.compiled import record_plain_loop_compile
 from hf_ssd.control.memory import record_plain, record_prefill
 from hf_ssd.control.plain_acceptance import answer_mask
 from hf_ssd.hf.plain_hand_off import DecodeClock, compiled_graphs, use_static_cache
+from hf_ssd.kernels.packed_linear import applied as packed_linear_applied
+from hf_ssd.kernels.packed_linear import weights_for as packed_linear_weights
 from hf_ssd.workers import pool
 from hf_ssd.workers.process import DraftProcess
 from hf_ssd.session import run_session
@@ -180,17 +182,23 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
         if rows is None:  # the controller chose plain decoding: transformers' own loop (it ends the streamer)
             handed_off = True
             _set_rng_state(input_ids.device, rng)  # the same seed gives plain generate()'s very samples
+            compiled_loop = False
             if config.compile_target and not stats.eager_call:  # a compiled target: transformers' compiled path
                 why_not = use_static_cache(model, generation_config, model_kwargs)
+                compiled_loop = why_not is None
                 stats.controller["reason"] += (" (static cache, compiled)" if why_not is None
                                                else f" (eager: a compiled plain loop could not be set up: {why_not})")
+            # the eager loop's one-token steps through the packed kernel, as our engine's forwards (the controller
+            # prices plain at our packed one-token step)
+            packed = None if compiled_loop else packed_linear_weights(model, config.packed_linear)
             start, graphs, clock, busy = time.perf_counter(), compiled_graphs(), DecodeClock(), pool.starting()
             probe = stats.plain_probe
             watching = probe.processors() if probe is not None else []  # last: they see the final scores
             processors = LogitsProcessorList([*logits_processor, clock, *watching])
-            result = GenerationMixin._sample(model, input_ids, processors,
-                                             stopping_criteria, generation_config, synced_gpus=False,
-                                             streamer=streamer, **model_kwargs)
+            with packed_linear_applied(packed):
+                result = GenerationMixin._sample(model, input_ids, processors,
+                                                 stopping_criteria, generation_config, synced_gpus=False,
+                                                 streamer=streamer, **model_kwargs)
             end = time.perf_counter()
             stats.wall_time = end - start
             sequences = result if isinstance(result, torch.Tensor) else result.sequences

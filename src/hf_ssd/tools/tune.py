@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     from hf_ssd.config import SSDConfig
     from hf_ssd.control.decision import family
     from hf_ssd.control.explain import diagnose
+    from hf_ssd.kernels.packed_linear import describe as packed_linear_description
     from hf_ssd.session import make_controller
     from hf_ssd.workers import pool
 
@@ -89,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"measured the pair in {controller.costs.probe_s:.1f} s")
     for line in diagnose(controller.costs, controller):
         print("-", line)
+    print(f"- Packed few-row linear kernel (ssd_packed_linear): target {packed_linear_description(target)}; "
+          f"draft {packed_linear_description(draft)}.")
     if args.doctor:
         return 0
     batches = tuning_batches(tokenizer, args.prompts, args.batch)
