@@ -105,7 +105,9 @@ def test_rows_past_the_floor_are_packed_up_to_the_first_measured_loss():
     assert pl.rows_where_packed_wins(w, packed, measured(ladder[2])) == ladder[1]
     assert pl.rows_where_packed_wins(w, packed, measured(10**9)) == ladder[-1]
     assert pl.rows_where_packed_wins(w, packed, measured(10**9, outlier_at=ladder[1])) == ladder[-1]
-    assert pl.rows_where_packed_wins(w, packed) >= pl.MAX_ROWS  # the real measurement runs
+    state = torch.random.get_rng_state()
+    assert pl.rows_where_packed_wins(w, packed) >= pl.MAX_ROWS  # the real measurement runs ...
+    assert torch.equal(torch.random.get_rng_state(), state)  # ... and leaves the user's seeded samples alone
 
 
 def test_the_measured_rows_decide_where_the_mode_hands_over(pack_everything):

@@ -223,7 +223,7 @@ def _measure_both(weight: torch.Tensor, packed: torch.Tensor):
     kernel = extension().packed_linear  # the kernel itself: the tests count the engine's calls of packed_linear
 
     def measure(rows: int) -> tuple[float, float]:
-        x = torch.randn(rows, weight.shape[1])
+        x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))  # not the user's RNG
         with torch.no_grad():
             return (_best_time(lambda: kernel(x, packed, weight.shape[0], ISA == "avx512")),
                     _best_time(lambda: F.linear(x, weight)))
