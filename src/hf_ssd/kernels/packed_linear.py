@@ -33,13 +33,13 @@ logger = logging.getLogger(__name__)
 
 BLOCK = 32  # output columns per packed block (packed_linear.cpp)
 MAX_ROWS = 48  # rows of input up to which the packed kernel always runs (1.6-7x torch's GEMM here, 1 or 2 threads)
+# ... and from which: the AVX2 variant (run on the project's AVX-512 CPU, 1536 x 8960 weight, one thread) made
+# 1 row in 5.1 ms against torch's 4.8, 3 rows 4.3 against 14.7, 5 rows 5.1 against 8.9, 9 rows 9.8 against 11.1
+MIN_ROWS = {"avx512": 1, "avx2": 2}
 # Past MAX_ROWS (a batch's verify block, a prefill) torch's GEMM may catch up, depending on the CPU and its BLAS: each
 # model measures these row counts once, at packing, on its most common weight shape, and keeps the kernel up to
 # the last one where it was faster (the project's AMD CPU with MKL: faster at all of them, 1.2x at 1536 rows)
 CALIBRATION_ROWS = (96, 192, 384, 768, 1536)
-# ... and from which: the AVX2 variant (run on the project's AVX-512 CPU, 1536 x 8960 weight, one thread) made
-# 1 row in 5.1 ms against torch's 4.8, 3 rows 4.3 against 14.7, 5 rows 5.1 against 8.9, 9 rows 9.8 against 11.1
-MIN_ROWS = {"avx512": 1, "avx2": 2}
 MIN_ELEMENTS = 1 << 18  # weights smaller than this (1 MB) stay in cache anyway: torch's GEMM is as fast there
 MEMORY_MARGIN_BYTES = 1 << 30  # "auto" packs only if this much memory stays free after the packed copies
 
@@ -207,6 +207,7 @@ def rows_where_packed_wins(weight: torch.Tensor, packed: torch.Tensor, measure=N
     (a burst of page faults) once stopped it at 192 rows, where the kernel wins 1.7x. measure(rows) -> (packed
     seconds, torch seconds); tests inject it."""
     measure = measure or _measure_both(weight, packed)
+
     def packed_wins(rows: int) -> bool:
         packed_s, torch_s = measure(rows)
         return packed_s < torch_s
