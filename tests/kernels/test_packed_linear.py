@@ -60,6 +60,37 @@ def test_a_call_runs_on_torch_s_threads():
         torch.set_num_threads(before)
 
 
+def test_other_python_threads_run_while_the_kernel_does():
+    """The kernel releases the GIL, as torch's operators do: a thread worker's draft runs its Python beside a
+    packed verify. Held, this thread would stall for the whole call."""
+    import threading
+    import time
+
+    w = torch.randn(4096, 2048)
+    packed, x = pl.pack(w), torch.randn(512, 2048)  # a call of ~50 ms: far beyond Python's 5 ms switch interval
+    kernel = pl.extension().packed_linear
+    kernel(x, packed, 4096, pl.ISA == "avx512")
+    started = time.perf_counter()
+    kernel(x, packed, 4096, pl.ISA == "avx512")
+    one_call = time.perf_counter() - started
+    calls = 4
+    done = threading.Event()
+
+    def verify():
+        for _ in range(calls):
+            kernel(x, packed, 4096, pl.ISA == "avx512")
+        done.set()
+
+    worker = threading.Thread(target=verify)
+    stamps = [time.perf_counter()]
+    worker.start()
+    while not done.is_set():
+        stamps.append(time.perf_counter())
+    worker.join()
+    longest_stall = max(b - a for a, b in zip(stamps, stamps[1:]))
+    assert longest_stall < 0.5 * one_call, (longest_stall, one_call)
+
+
 def test_leading_dimensions_are_kept(isa):
     w = torch.randn(40, 24)
     x = torch.randn(2, 3, 24)
