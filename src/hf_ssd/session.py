@@ -33,6 +33,7 @@ from hf_ssd.draft.sync import NullDrafter, SyncDrafter
 from hf_ssd.kernels.packed_linear import describe as packed_linear_description
 from hf_ssd.runtime.engine import Engine, RowOutputs
 from hf_ssd.runtime.kv import CachedModel, input_device
+from hf_ssd.runtime.prefill import forward_tokens, grouped_share
 from hf_ssd.runtime.processing import check_processors, with_temperature
 from hf_ssd.runtime.static_choice import static_draft_cache, static_target_cache
 from hf_ssd.runtime.stats import SSDStats
@@ -174,7 +175,8 @@ def run_session(
         else:
             P = input_ids.shape[1]
             stats.controller_memory = controller.memory  # generate() records the call's length in it
-            horizon = controller.horizon(generation_config.max_length - P, P)
+            share = grouped_share(mask[:, :-1].bool(), forward_tokens(input_ids.device)) if P > 1 else 1.0
+            horizon = controller.horizon(generation_config.max_length - P, P, share)
             first = agreed(controller.decide(horizon=horizon))
             eager = eager_call(controller, first, lambda: make_controller(
                 target, draft, B, greedy, config.updated(compile=False, compile_target=False), d_device, worker,

@@ -211,8 +211,8 @@ def test_a_compiled_ssd_plan_s_first_speculation_is_priced_at_its_compiled_steps
 def test_a_call_s_start_prices_the_target_prefill_of_its_path():
     """Plain decoding prefills in transformers' loop, a draft plan in ours, which prefills rows of similar length
     together (runtime.prefill). At a call's start the plans on the dearer path pay what it costs beyond the cheaper
-    one, as measured per prompt column; nothing while only one path has run; nothing mid-call (the target has
-    prefilled already)."""
+    one, as measured per prompt column; while only one path has run, the other is estimated from the call's
+    padding; nothing mid-call (the target has prefilled already)."""
     from hf_ssd.control.memory import record_prefill
 
     ctl = controller()
@@ -225,11 +225,17 @@ def test_a_call_s_start_prices_the_target_prefill_of_its_path():
             ctl._price_call(pred, horizon, current)
         return preds
 
-    assert [p.parts["prefill"] for p in prefills()] == [0.0] * 3  # nothing measured
+    assert [p.parts["prefill"] for p in prefills()] == [0.0] * 3  # nothing measured, no padding
+    # nothing measured, a padded batch: plain's padded prefill from the target's cost line, the grouped one a share
+    padded = Horizon(tokens=64, context=500, prefill_share=0.4)
+    assert [p.parts["prefill"] for p in prefills(horizon=padded)] == pytest.approx(
+        [0.6 * ctl.costs.target(False)(500), 0.0, 0.0])
     before = [p.call_tokens_per_s for p in prefills()]
     for _ in range(3):
         record_prefill(ctl.memory, "plain", 0.4, 200)
-    assert [p.parts["prefill"] for p in prefills()] == [0.0] * 3  # one path: nothing to tell them apart
+    assert [p.parts["prefill"] for p in prefills()] == [0.0] * 3  # one path, a batch without padding: the same
+    # one path measured, a padded batch that our loop prefills in 40% of the tokens: the other path scaled by that
+    assert [p.parts["prefill"] for p in prefills(horizon=padded)] == pytest.approx([0.6, 0.0, 0.0])
     for _ in range(3):
         record_prefill(ctl.memory, "engine", 0.2, 200)
     priced = prefills()
@@ -258,3 +264,23 @@ def test_generate_records_the_target_prefill_of_the_path_it_ran(monkeypatch, pla
     path = "plain" if plain else "engine"
     assert list(memory.prefill) == [path] and 0 < memory.prefill[path].value < 1
     assert (out.ssd_stats["target_prefill_s"] is None) == plain
+
+
+def test_a_call_s_horizon_carries_its_grouped_prefill_share(monkeypatch):
+    """generate() hands the controller the share of the padded prefill our loop would run (runtime.prefill): 1
+    for a single row, less for a batch of prompts of very different lengths."""
+    from hf_ssd import session
+    from hf_ssd.control import controller as ctl_mod
+    from hf_ssd.runtime.prefill import grouped_share
+
+    seen = []
+    monkeypatch.setattr(session, "memory_for", lambda key: Memory())
+    monkeypatch.setattr(ctl_mod.Controller, "decide", lambda self, current=None, horizon=None: (
+        seen.append(horizon) or ctl_mod.Decision(Plan("sync", 2), "test", [])))
+    p = get_pair("llama")
+    ids, mask = left_pad([prompt(300, seed=11)[0], prompt(4, seed=12)[0], prompt(5, seed=13)[0]])
+    p.target.generate(ids, attention_mask=mask, assistant_model=p.related, ssd=True, max_new_tokens=3,
+                      do_sample=False, pad_token_id=0)
+    share = grouped_share(mask[:, :-1].bool(), 64)
+    assert share < 0.5 and seen[0].prefill_share == pytest.approx(share)
+    assert grouped_share(torch.ones(1, 20, dtype=torch.bool), 64) == 1.0

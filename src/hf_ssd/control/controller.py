@@ -232,10 +232,10 @@ class Controller(StartPricing):
         seconds = sum(graph_seconds(g, self.target, per_graph) for g in missing)
         return compile_share(seconds, horizon.tokens, self.memory.generated)
 
-    def horizon(self, limit_left: int, context: int) -> Horizon:
+    def horizon(self, limit_left: int, context: int, prefill_share: float = 1.0) -> Horizon:
         """What is left of a call whose limit allows `limit_left` more tokens per row, at `context` tokens per row:
         fewer tokens than the limit where calls here have ended sooner (Memory.call_length)."""
-        return Horizon(self.memory.call_length.left(max(limit_left, 0)), context)
+        return Horizon(self.memory.call_length.left(max(limit_left, 0)), context, prefill_share)
 
     def predict(self, plan: Plan, aged: bool = False, in_loop: bool = False) -> Prediction:
         """The plan's tokens per second: its round time from its measurements where it has run (aged: with old ones
@@ -340,7 +340,7 @@ class Controller(StartPricing):
         compiling = self.compile_s(pred.plan, horizon, in_loop=current is not None)
         restart = 0.0 if retunable(current, pred.plan) else self.startup_s(pred.plan, horizon.context)
         if current is None:  # a call's start: the target's prefill too, which costs less in our loop (batches)
-            prefill = self.target_prefill_s(pred.plan, horizon.context)
+            prefill = self.target_prefill_s(pred.plan, horizon.context, horizon.prefill_share)
             restart += prefill
             pred.parts = {**pred.parts, "prefill": prefill}
         pred.startup_s = restart + compiling

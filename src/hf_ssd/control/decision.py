@@ -11,10 +11,12 @@ COMPLEXITY = {"plain": 0, "sync": 1, "ssd": 2}
 @dataclass(frozen=True)
 class Horizon:
     """What is left of a call: `tokens` per row still to generate (at most), and the `context` per row (committed
-    tokens, left padding included) that a drafter starting now would prefill."""
+    tokens, left padding included) that a drafter starting now would prefill; at a call's start, `prefill_share`:
+    the prompt tokens our loop's grouped prefill runs against transformers' padded one (runtime.prefill)."""
 
     tokens: int
     context: int
+    prefill_share: float = 1.0
 
 
 @dataclass

@@ -42,19 +42,26 @@ class StartPricing:
         line, timed on short forwards, may be off by a constant factor)."""
         return self.startup_model(plan, context) * self.memory.startup_ratio(family(plan))
 
-    def target_prefill_s(self, plan: Plan, context: int) -> float:
+    def target_prefill_s(self, plan: Plan, context: int, share: float = 1.0) -> float:
         """What the target's prefill of `context` prompt columns costs a call starting on `plan` beyond the cheaper
         path's: plain decoding runs it in transformers' loop, a draft plan in ours, which prefills rows of similar
         length together (runtime.prefill: about half the compute of a padded batch of MT-Bench prompts at batch 4).
-        As measured here (Memory.prefill); 0 until both have run. Only the difference: the share every plan pays
-        would rank nothing and, added to every call, would bring slower plans within the explorations' reach
-        (control.exploration compares speeds over the call). A plain call that cannot be handed off (a generator
-        given) prefills in our loop but is priced as handed off."""
-        memory = self.memory
-        if not {"plain", "engine"} <= memory.prefill.keys():
-            return 0.0
-        own = memory.prefill_column_s("plain" if plan.mode == "plain" else "engine")
-        return (own - min(memory.prefill_column_s("plain"), memory.prefill_column_s("engine"))) * context
+        As measured here (Memory.prefill). While only one path has run, the other is that one scaled by this call's
+        `share` (our grouped prefill's tokens against the padded batch's); before either has run, plain's padded
+        prefill is the target's cost line at `context` tokens (timed on a few tokens per row and extrapolated: a
+        rough price, replaced by the first measured prefill). Until session 42 nothing was priced before both had
+        run, and the default pair at batch 16 ran plain in every call of a bench: its padded prefill took 81 s,
+        our loop's 29. Only the difference: the share every plan pays would rank nothing and, added to every call,
+        would bring slower plans within the explorations' reach (control.exploration compares speeds over the
+        call). A plain call that cannot be handed off (a generator given) prefills in our loop but is priced as
+        handed off."""
+        plain, engine = self.memory.prefill_column_s("plain"), self.memory.prefill_column_s("engine")
+        if not (plain or engine):
+            padded = self.costs.target(False)(context)
+            return (1 - min(share, 1.0)) * padded if plan.mode == "plain" else 0.0
+        plain, engine = plain or engine / max(share, 1e-6), engine or plain * share
+        own = plain if plan.mode == "plain" else engine
+        return (own - min(plain, engine)) * context
 
     def record_startup(self, plan: Plan, context: int, seconds: float) -> None:
         modelled = self.startup_model(plan, context)

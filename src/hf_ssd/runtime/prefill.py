@@ -67,6 +67,17 @@ def padding_groups(valid: torch.Tensor, forward_tokens: int) -> list[Group] | No
     return groups[::-1]
 
 
+def grouped_share(valid: torch.Tensor, forward_tokens: int) -> float:
+    """The prompt tokens our grouped prefill runs, as a share of the padded prefill's B x n (1 where it would not
+    group): what the target's prefill costs in our loop against transformers' (the controller's prior until both
+    have been measured; Controller.target_prefill_s)."""
+    groups = padding_groups(valid, forward_tokens)
+    if groups is None:
+        return 1.0
+    B, n = valid.shape
+    return sum(len(g.rows) * (n - g.start) for g in groups) / (B * n)
+
+
 def forward_tokens(device: torch.device) -> int:
     """FORWARD_TOKENS for `device` (an accelerator other than CUDA counts as CUDA: launch-bound too)."""
     return FORWARD_TOKENS.get(device.type, FORWARD_TOKENS["cuda"])
