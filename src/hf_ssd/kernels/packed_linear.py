@@ -191,14 +191,12 @@ class PackedWeights:
         return entry[2]
 
 
-def _best_time(call, repeats: int = 1) -> float:
-    call()  # warm: first-touch of the output, the BLAS's own buffers
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - start)
-    return best
+def _warm_time(call) -> float:
+    """Seconds of one call after an untimed one (first touch of the output, the BLAS's own buffers)."""
+    call()
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
 
 
 def rows_where_packed_wins(weight: torch.Tensor, packed: torch.Tensor, measure=None) -> int:
@@ -226,8 +224,8 @@ def _measure_both(weight: torch.Tensor, packed: torch.Tensor):
     def measure(rows: int) -> tuple[float, float]:
         x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))  # not the user's RNG
         with torch.no_grad():
-            return (_best_time(lambda: kernel(x, packed, weight.shape[0], ISA == "avx512")),
-                    _best_time(lambda: F.linear(x, weight)))
+            return (_warm_time(lambda: kernel(x, packed, weight.shape[0], ISA == "avx512")),
+                    _warm_time(lambda: F.linear(x, weight)))
     return measure
 
 
