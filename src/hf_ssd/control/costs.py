@@ -162,9 +162,8 @@ def measure_curves(batch: int, wanted: list[tuple[PreTrainedModel, int, int | No
 def _forwards(model: PreTrainedModel, batch: int, n: int, repeats: int, threads: int | None, ready, out: dict,
               key: str, packed: bool = True) -> None:
     """`repeats` forwards of n tokens per row after a short prefill; seconds from `ready` to the last one. packed:
-    through the packed linear kernel, as the engine runs them, where the model has packed weights (memory-bound
-    forwards on both sides share the memory bus: measured unpacked, compute-bound, the default pair's overlap
-    looked far better than its packed rounds then ran)."""
+    through the packed linear kernel, as the engine runs them, where the model has packed weights (the rounds'
+    forwards are packed, so their overlap and speed are measured packed)."""
     with packed_linear_applied(packed_linear_weights(model) if packed else None):
         _unpacked_forwards(model, batch, n, repeats, threads, ready, out, key)
 
