@@ -176,6 +176,7 @@ def run_session(
             P = input_ids.shape[1]
             stats.controller_memory = controller.memory  # generate() records the call's length in it
             share = grouped_share(mask[:, :-1].bool(), forward_tokens(input_ids.device)) if P > 1 else 1.0
+            stats.prefill_share = share
             horizon = controller.horizon(generation_config.max_length - P, P, share)
             first = agreed(controller.decide(horizon=horizon))
             eager = eager_call(controller, first, lambda: make_controller(

@@ -284,3 +284,52 @@ def test_a_call_s_horizon_carries_its_grouped_prefill_share(monkeypatch):
     share = grouped_share(mask[:, :-1].bool(), 64)
     assert share < 0.5 and seen[0].prefill_share == pytest.approx(share)
     assert grouped_share(torch.ones(1, 20, dtype=torch.bool), 64) == 1.0
+
+
+def test_our_prefill_is_priced_per_padded_column_whatever_padding_measured_it():
+    """Our loop's prefill is recorded per column of the padded batch it stands for (its seconds over the width
+    times the call's share), so a price measured on batches of similar prompts still sees what grouping saves on a
+    batch of one long and three short ones, and one measured on the latter does not make a batch without padding
+    look cheap in our loop."""
+    from hf_ssd.control.memory import record_prefill
+
+    ctl = controller()
+    plain_plan, sync = Plan("plain"), Plan("sync", 3)
+
+    def prefill(plan, share):
+        pred = ctl.predict(plan)
+        ctl._price_call(pred, Horizon(tokens=64, context=300, prefill_share=share), None)
+        return pred.parts["prefill"]
+
+    column_s = 0.01  # both paths: 10 ms per prompt column of the padded batch
+    for share in (0.85, 0.85, 0.44):  # our loop ran these shares of the padded batches' tokens
+        record_prefill(ctl.memory, "engine", column_s * 300 * share, 300 * share)
+        record_prefill(ctl.memory, "plain", column_s * 300, 300)
+    assert prefill(plain_plan, 0.44) == pytest.approx(column_s * 300 * 0.56)  # what grouping saves here
+    assert prefill(plain_plan, 1.0) == pytest.approx(0.0) and prefill(sync, 1.0) == pytest.approx(0.0)
+    assert prefill(sync, 0.44) == 0.0
+
+
+def test_generate_records_our_prefill_per_padded_column(monkeypatch):
+    """generate() divides our loop's measured prefill by the padded columns it stands for (width x share)."""
+    from hf_ssd import session
+    from hf_ssd.control import controller as ctl_mod
+    from hf_ssd.control import memory as memory_mod
+    from hf_ssd.runtime.prefill import grouped_share
+
+    memory, seen = Memory(), []
+    monkeypatch.setattr(session, "memory_for", lambda key: memory)
+    monkeypatch.setattr(ctl_mod.Controller, "decide",
+                        lambda self, current=None, horizon=None: ctl_mod.Decision(Plan("sync", 2), "test", []))
+    real = memory_mod.record_prefill
+    monkeypatch.setattr("hf_ssd.hf.generate.record_prefill",
+                        lambda m, path, seconds, columns: seen.append((path, seconds, columns)) or real(
+                            m, path, seconds, columns))
+    p = get_pair("llama")
+    ids, mask = left_pad([prompt(300, seed=11)[0], prompt(4, seed=12)[0], prompt(5, seed=13)[0]])
+    out = p.target.generate(ids, attention_mask=mask, assistant_model=p.related, ssd=True, max_new_tokens=3,
+                            do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    share = grouped_share(mask[:, :-1].bool(), 64)
+    assert [s[0] for s in seen] == ["engine"]
+    assert seen[0][1] == pytest.approx(out.ssd_stats["target_prefill_s"], abs=1e-4)
+    assert seen[0][2] == pytest.approx((ids.shape[1] - 1) * share) and share < 0.5

@@ -313,8 +313,8 @@ class Memory:
         return max(measured) if measured else 1.0
 
     def prefill_column_s(self, path: str) -> float:
-        """Seconds per prompt column of the target's prefill on `path` ("plain" or "engine"); 0 where it has not
-        run."""
+        """Seconds per padded prompt column of the target's prefill on `path` ("plain" or "engine"; our loop runs
+        a call's `prefill_share` of them); 0 where it has not run."""
         e = self.prefill.get(path)
         return 0.0 if e is None or e.value is None else e.value
 
@@ -362,8 +362,10 @@ def memory_for(key: tuple) -> Memory:
     return _MEMORY.setdefault(key, Memory())
 
 
-def record_prefill(memory: Memory, path: str, seconds: float, columns: int) -> None:
-    """The target's prefill of `columns` prompt columns took `seconds` on `path` (Memory.prefill)."""
+def record_prefill(memory: Memory, path: str, seconds: float, columns: float) -> None:
+    """The target's prefill of `columns` padded prompt columns took `seconds` on `path` (Memory.prefill). Our
+    loop's grouped prefill counts the columns of the padded batch it stands for: the prompt width times the share
+    of those tokens it ran (runtime.prefill.grouped_share)."""
     if columns > 0 and seconds > 0:
         memory.prefill.setdefault(path, Ema()).add(seconds / columns)
 

@@ -46,20 +46,23 @@ class StartPricing:
         """What the target's prefill of `context` prompt columns costs a call starting on `plan` beyond the cheaper
         path's: plain decoding runs it in transformers' loop, a draft plan in ours, which prefills rows of similar
         length together (runtime.prefill: about half the compute of a padded batch of MT-Bench prompts at batch 4).
-        As measured here (Memory.prefill). While only one path has run, the other is that one scaled by this call's
-        `share` (our grouped prefill's tokens against the padded batch's); before either has run, plain's padded
-        prefill is the target's cost line at `context` tokens (timed on a few tokens per row and extrapolated: a
-        rough price, replaced by the first measured prefill). Until session 42 nothing was priced before both had
-        run, and the default pair at batch 16 ran plain in every call of a bench: its padded prefill took 81 s,
-        our loop's 29. Only the difference: the share every plan pays would rank nothing and, added to every call,
-        would bring slower plans within the explorations' reach (control.exploration compares speeds over the
+        As measured here per padded column (Memory.prefill), ours scaled by this call's `share` (our grouped
+        prefill's tokens against the padded batch's); while only one path has run, the other costs the same per
+        padded column. Before either has run, plain's padded prefill is the target's cost line at `context` tokens
+        (timed on a few tokens per row and extrapolated: a rough price, replaced by the first measured prefill).
+        Until session 42 nothing was priced before both had run, and the default pair at batch 16 ran plain in every
+        call of a bench: its padded prefill took 81 s, our loop's 29. Until session 43 ours was priced per column
+        of whichever batches it had run: at batch 4 a batch of similar prompts (share 0.85) set a price that made a
+        batch of one long and three short prompts (0.44) look as cheap to prefill padded: it started plain, whose
+        first token came after 17 s, our SD's after 8. Only the difference: the share every plan pays would rank nothing and, added to every
+        call, would bring slower plans within the explorations' reach (control.exploration compares speeds over the
         call). A plain call that cannot be handed off (a generator given) prefills in our loop but is priced as
         handed off."""
         plain, engine = self.memory.prefill_column_s("plain"), self.memory.prefill_column_s("engine")
         if not (plain or engine):
             padded = self.costs.target(False)(context)
             return (1 - min(share, 1.0)) * padded if plan.mode == "plain" else 0.0
-        plain, engine = plain or engine / max(share, 1e-6), engine or plain * share
+        plain, engine = plain or engine, (engine or plain) * min(share, 1.0)
         own = plain if plan.mode == "plain" else engine
         return (own - min(plain, engine)) * context
 

@@ -221,7 +221,10 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
         if streamer is not None and not handed_off:
             streamer.end()
     if stats.controller_memory is not None and not handed_off and stats.target_prefill_s is not None:
-        record_prefill(stats.controller_memory, "engine", stats.target_prefill_s, input_ids.shape[1] - 1)
+        # per padded column, as plain's: our loop ran only `prefill_share` of them, a share that varies with the
+        # batch's padding (a batch of one long and three short prompts 0.44, of similar ones 0.85)
+        record_prefill(stats.controller_memory, "engine", stats.target_prefill_s,
+                       (input_ids.shape[1] - 1) * stats.prefill_share)
     if stats.controller_memory is not None:  # how long calls run here: the next calls' horizon
         made = sequences.shape[1] - input_ids.shape[1] if handed_off else max(len(t) for t in rows.tokens)
         stats.controller_memory.call_length.add(made, ended=made < generation_config.max_length - input_ids.shape[1])

@@ -72,6 +72,9 @@ class SSDStats:
     tree_reused: int = 0  # rounds whose tree carried the previous round's draft KV over instead of a glue forward
     # seconds of the target's prompt prefill in our loop (None: none, or shared with a draft prefilling alongside)
     target_prefill_s: float | None = None
+    # the share of the padded batch's prompt tokens that our loop's grouped prefill runs (runtime.prefill), so the
+    # controller prices that prefill per padded column whatever this call's padding was
+    prefill_share: float = 1.0
     timeline: list[RoundRecord] = field(default_factory=list)
     wall_time: float = 0.0
     started: float = field(default_factory=time.perf_counter)
