@@ -434,13 +434,16 @@ def test_a_family_is_explored_once_however_few_rounds_it_recorded():
 
 
 @pytest.mark.parametrize("cold", [0.9, 0.75, 0.6])
-def test_a_plan_one_cold_call_measured_gets_a_second_look(cold):
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_a_plan_one_cold_call_measured_gets_a_second_look(cold, compiled):
     """A plan that one call measured (its first: fresh graphs, a fresh draft process) at `cold` x the speed of the
     choice runs one more call if that is within SECOND_LOOK_WITHIN; its cold call's mean is dropped, and the call
-    keeps it for SECOND_LOOK_ROUNDS of its rounds before the usual rules. Once per plan."""
+    keeps it for SECOND_LOOK_ROUNDS of its rounds before the usual rules. Once per plan. An eager plan in this
+    process ran warm in its first call: no look (exploration.may_run_cold)."""
     from hf_ssd.control.exploration import SECOND_LOOK_ROUNDS, SECOND_LOOK_WITHIN
 
     ctl = controller(costs(draft=(0.05, 0.001)), alpha=0.5, allowed={"mode": ("plain", "sync"), "K": (2,)})
+    ctl.draft_compiled = compiled
     plain, sync = Plan("plain"), Plan("sync", 2)
     for _ in range(3):
         ctl.memory.record_round(plain, ctl.model(plain).round_s, count=8)
@@ -449,7 +452,7 @@ def test_a_plan_one_cold_call_measured_gets_a_second_look(cold):
     ctl.memory.record_round(sync, slow, count=8)
     ctl.memory.end_call()
     decision = ctl.decide()
-    if cold < SECOND_LOOK_WITHIN:
+    if cold < SECOND_LOOK_WITHIN or not compiled:
         assert decision.plan == plain
         return
     assert decision.plan == sync and decision.reason.startswith("a second look at sync K=2")
@@ -530,6 +533,7 @@ def test_a_call_that_compiled_a_plans_graphs_does_not_price_it():
     from hf_ssd.control.exploration import SECOND_LOOK_ROUNDS
 
     ctl = controller(costs(draft=(0.05, 0.001)), alpha=0.5, allowed={"mode": ("plain", "sync"), "K": (2,)})
+    ctl.draft_compiled = True
     plain, sync = Plan("plain"), Plan("sync", 2)
     for _ in range(3):
         ctl.memory.record_round(plain, ctl.model(plain).round_s, count=8)
@@ -573,6 +577,7 @@ def test_an_untried_choice_runs_before_a_second_look():
     """The choice (sync K = 3) has not run: it is measured by running it, not after a second look at the K = 2
     that one cold call measured at 0.85x its prediction (which spent one of the few calls that compile freely)."""
     ctl = controller(costs(draft=(0.01, 0.0002)), alpha=0.95, allowed={"mode": ("sync",), "K": (2, 3)})
+    ctl.draft_compiled = True
     k2, k3 = Plan("sync", 2), Plan("sync", 3)
     ctl.memory.record_round(k2, ctl.model(k2).round_s / 0.85, count=8)
     ctl.memory.end_call()

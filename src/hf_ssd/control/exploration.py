@@ -6,7 +6,7 @@ drafts instead (`alpha_exploration`); an untried plan of a family that has run n
 its measured siblings (`untried_score`); a drafting family that has never run gets one call if it is predicted
 close to the choice (`family_exploration`); while compiling is free, a family that has run gets one call of its
 fastest plan where that has a K the family has not run and is predicted close to the choice (`untried_look`); and a
-plan that one call measured, cold, gets a second (`second_look`).
+plan that one call measured, cold (compiled, or on a fresh draft process), gets a second (`second_look`).
 A call that runs plain may have its draft read α off the answer afterwards (`plain_measurement`). Every plan is
 exact: exploring costs speed, never the output law.
 """
@@ -69,6 +69,12 @@ UNTRIED_LOOK_WITHIN = 0.80
 # call against 390-420 for the hand-picked SSD rows of the same run, which left `ssd=True` on compiled plain
 # decoding in 17 of 18 calls), so the window reaches that far.
 SECOND_LOOK_WITHIN = 0.70
+# Only a plan whose first call can run cold gets that look: one on a draft process, or with compiled forwards. An
+# eager plan in this process runs warm from its first call (the models, their packed weights and the int8 draft are
+# ready before any call), and its looks cost a call for no news: on the default pair at batch 4 (equal setting,
+# two runs of session 43) the second looks at SSD K=1 on a thread ran 0.75x our SD in all four cases, after first
+# calls at 0.83-0.96x; at batch 1 on ShareGPT an SSD thread plan 0.87x then 0.88x, sync K=2 0.98x then 0.93x.
+# Stale looks (below) are for every plan: drift has nothing to do with a first call.
 # ... and the call keeps it for this many rounds before a mid-call decision may leave it (its first call's price
 # would otherwise send it back at the first decision)
 SECOND_LOOK_ROUNDS = 16
@@ -150,8 +156,9 @@ def _explore(ctl: Controller, pred: Prediction, best: Prediction, preds: list[Pr
 
 
 def second_look(ctl: Controller, preds: list[Prediction], best: Prediction) -> Decision | None:
-    """The fastest plan other than `best` that at most one call has measured (calls that compiled its graphs do not
-    count: Memory.cold), or whose last measurement is STALE_LOOK_ROUNDS old, where it is predicted within
+    """The fastest plan other than `best` that at most one call has measured, where that call may have run cold
+    (`may_run_cold`; calls that compiled its graphs do not count: Memory.cold), or whose last measurement is
+    STALE_LOOK_ROUNDS old, where it is predicted within
     SECOND_LOOK_WITHIN of `best` and needs nothing compiled; once per plan, once more after a call that compiled
     its graphs, and once each time its price goes stale (one stale look per STALE_LOOK_ROUNDS, all plans
     together). Its earlier calls' means are dropped, so the looked-at call's rounds price it (a call-start price is
@@ -170,7 +177,8 @@ def second_look(ctl: Controller, preds: list[Prediction], best: Prediction) -> D
             continue
         age = ctl.memory.age(pred.plan)
         stale = age >= STALE_LOOK_ROUNDS and ctl.memory.clock - ctl.memory.stale_look_at >= STALE_LOOK_ROUNDS
-        if not stale and (pred.plan in ctl.memory.second_looks or len(ema.calls) > 1 or ema.call_n):
+        if not stale and (pred.plan in ctl.memory.second_looks or len(ema.calls) > 1 or ema.call_n
+                          or not may_run_cold(ctl, pred.plan)):
             continue
         if stale:
             ctl.memory.stale_look_at = ctl.memory.clock
@@ -181,6 +189,14 @@ def second_look(ctl: Controller, preds: list[Prediction], best: Prediction) -> D
         return _explore(ctl, pred, best, preds, f"a second look at {pred.plan.label} ({pred.call_tokens_per_s:.2f} "
                         f"tok/s, within {1 - SECOND_LOOK_WITHIN:.0%} of the choice): {why}")
     return None
+
+
+def may_run_cold(ctl: Controller, plan: Plan) -> bool:
+    """Can `plan`'s first call run slower than its later ones? On a draft process (a fresh one touches its weights
+    first), or with compiled forwards (their first runs); an eager plan in this process runs warm."""
+    if plan.worker == "process":
+        return True
+    return ctl.plain_compiled if plan.mode == "plain" else ctl.draft_compiled or ctl.plain_compiled
 
 
 def still_exploring(ctl: Controller, current: Plan) -> bool:
