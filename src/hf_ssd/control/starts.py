@@ -54,10 +54,10 @@ class StartPricing:
         call of a bench: its padded prefill took 81 s, our loop's 29. Until session 43 ours was priced per column
         of whichever batches it had run: at batch 4 a batch of similar prompts (share 0.85) set a price that made a
         batch of one long and three short prompts (0.44) look as cheap to prefill padded: it started plain, whose
-        first token came after 17 s, our SD's after 8. Only the difference: the share every plan pays would rank nothing and, added to every
-        call, would bring slower plans within the explorations' reach (control.exploration compares speeds over the
-        call). A plain call that cannot be handed off (a generator given) prefills in our loop but is priced as
-        handed off."""
+        first token came after 17 s, our SD's after 8. Only the difference: the share every plan pays would rank
+        nothing and, added to every call, would bring slower plans within the explorations' reach
+        (control.exploration compares speeds over the call). A plain call that cannot be handed off (a generator
+        given) prefills in our loop but is priced as handed off."""
         plain, engine = self.memory.prefill_column_s("plain"), self.memory.prefill_column_s("engine")
         if not (plain or engine):
             padded = self.costs.target(False)(context)
