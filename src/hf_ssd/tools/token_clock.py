@@ -14,12 +14,10 @@ class TokenClock(BaseStreamer):
     not counted."""
 
     def __init__(self) -> None:
-        self.arrivals: list[float] = []  # one wall time per new token
-        self._seen_prompt = False
-        self.started = time.perf_counter()
+        self.start()
 
     def start(self) -> None:
-        self.arrivals.clear()
+        self.arrivals: list[float] = []  # one wall time per new token
         self._seen_prompt = False
         self.started = time.perf_counter()
 
