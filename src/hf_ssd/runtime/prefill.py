@@ -69,8 +69,8 @@ def padding_groups(valid: torch.Tensor, forward_tokens: int) -> list[Group] | No
 
 def grouped_share(valid: torch.Tensor, forward_tokens: int) -> float:
     """The prompt tokens our grouped prefill runs, as a share of the padded prefill's B x n (1 where it would not
-    group): what the target's prefill costs in our loop against transformers' (the controller's prior until both
-    have been measured; Controller.target_prefill_s)."""
+    group): what the target's prefill costs in our loop against transformers' (the controller prices ours per
+    padded column at this share; Controller.target_prefill_s)."""
     groups = padding_groups(valid, forward_tokens)
     if groups is None:
         return 1.0
