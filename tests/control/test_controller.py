@@ -126,14 +126,41 @@ def test_a_calls_own_acceptance_moves_alpha_off_the_pooled_one():
     assert Controller(costs(), memory, 1, {}).acceptance().alpha == pytest.approx(0.7, abs=0.02)  # the next call
 
 
+def test_each_prompt_weighs_alike_in_the_alpha_the_next_call_starts_from():
+    """A prompt's drafts are not independent draws of one α (the default pair accepted 0.95 along one MT-Bench answer,
+    0.78 along the next): one long easy answer must not set the α later calls start from. Each call counts at most
+    CALL_EVIDENCE observations per prompt row, the running one too; a batch's rows are prompts of their own."""
+    from hf_ssd.control.memory import CALL_EVIDENCE
+
+    memory = Memory()
+    for accepted, rejected in ((14.0, 6.0), (570.0, 30.0), (15.0, 5.0)):  # α 0.7, a long answer at 0.95, then 0.75
+        memory.add_acceptance(accepted, rejected)
+        memory.end_call()
+    per_call = [(0.7, 20.0), (0.95, 600.0), (0.75, 20.0)]
+    capped = [(a, min(n, CALL_EVIDENCE)) for a, n in per_call]
+    expected = (sum(a * n for a, n in capped) + 0.7 * 8.0) / (sum(n for _, n in capped) + 8.0)
+    assert memory.alpha(0.7) == pytest.approx(expected)
+    assert memory.alpha(0.7) < 0.8  # per token, the long answer alone set it at 0.93
+    assert memory.tallies[False].accepted == 599.0  # every draft is still counted
+    memory.add_acceptance(950.0, 50.0)  # the running call: a long easy answer so far
+    assert memory.alpha(0.7) == pytest.approx((sum(a * n for a, n in capped) + 0.95 * CALL_EVIDENCE + 0.7 * 8.0)
+                                              / (sum(n for _, n in capped) + CALL_EVIDENCE + 8.0))
+    batch = Memory()
+    ctl = Controller(costs(), batch, 16, {})
+    for _ in range(20):
+        ctl.observe_acceptance(45.6, 2.4, rows=16)  # sixteen prompts at α = 0.95
+    batch.end_call()
+    assert batch.alpha(0.7) == pytest.approx((0.95 * 16 * CALL_EVIDENCE + 0.7 * 8.0) / (16 * CALL_EVIDENCE + 8.0))
+
+
 def test_alpha_is_kept_per_draft_precision():
     """The int8 draft's rounds measure the int8 draft: the default pair's accepts ~0.1 less than its fp32 weights at
     T = 0.7. A precision not yet run is priced at the α of the one that ran; once both ran, each has its own, and a
     call's rounds move only their own precision's α."""
     memory = Memory()
-    memory.add_acceptance(550.0, 450.0, rounds=1000, int8=True)  # the int8 draft at α = 0.55
+    memory.add_acceptance(550.0, 450.0, rounds=1000, int8=True, rows=100)  # the int8 draft at α = 0.55, 100 prompts
     assert memory.alpha(0.7, int8=False) == pytest.approx(0.55, abs=0.01)  # fp32 not run: priced as int8
-    memory.add_acceptance(80.0, 20.0, rounds=100, int8=False)  # fp32 at α = 0.8 over 100 rounds
+    memory.add_acceptance(80.0, 20.0, rounds=100, int8=False, rows=100)  # fp32 at α = 0.8 over 100 rounds
     assert memory.alpha(0.7, int8=False) == pytest.approx(0.8, abs=0.025)
     assert memory.alpha(0.7, int8=True) == pytest.approx(0.55, abs=0.01)
     assert (memory.accepted, memory.rejected) == (630.0, 470.0)
@@ -1327,7 +1354,7 @@ def test_a_switch_to_plain_waits_for_rounds_that_rule_drafting_out(monkeypatch):
 
     c = costs(draft=(0.07, 0.0005), split=2.0)  # sync K=1 wins at α = 0.8, plain at 0.7
     memory = Memory()
-    memory.add_acceptance(80.0, 20.0, rounds=100)
+    memory.add_acceptance(80.0, 20.0, rounds=100, rows=100)  # earlier calls
     running = Plan("sync", 1)
     ctl = Controller(c, memory, 1, {}, prior=Acceptance(alpha=0.7))
     assert ctl.decide().plan == running

@@ -101,9 +101,12 @@ class Controller(StartPricing):
     # ---- what the controller believes -------------------------------------------------------------------------
     def acceptance(self, int8: bool = False) -> Acceptance:
         """α of the draft at precision `int8`: this call's own accepted and rejected drafts, behind the setting's
-        pooled α (all calls so far) as their prior. Prompts differ: the default pair accepts a code answer at
+        pooled α (the calls so far, each call's prompts weighing alike: Memory.alpha) as their prior. Prompts differ: the default pair accepts a code answer at
         α ≈ 0.97 and a chat answer at 0.7, and mid-call every plan must be priced at this call's α (priced at the
         pooled α, a call running K=3 on a code answer saw no gain in K=8)."""
+        return self._shared(("acceptance", int8, self.optimism), lambda: self._acceptance(int8))
+
+    def _acceptance(self, int8: bool) -> Acceptance:
         if self.fixed_alpha is not None:
             alpha = self.fixed_alpha
         else:
@@ -123,7 +126,8 @@ class Controller(StartPricing):
         # prompts, so a batch-16 round says more about α than one row's (counted as one round, a batch-16 setting
         # explored the int8 draft at half speed in one of its five timed calls with α resting on 160 rows' drafts).
         # Plain steps in our loop observe nothing.
-        self.memory.add_acceptance(accepted, rejected, rounds=rows if accepted + rejected > 0 else 0, int8=int8)
+        self.memory.add_acceptance(accepted, rejected, rounds=rows if accepted + rejected > 0 else 0, int8=int8,
+                                   rows=rows)
         self.call.setdefault(int8, Tally()).add(accepted, rejected)
 
     def model(self, plan: Plan) -> Prediction:

@@ -74,7 +74,8 @@ class PlainProbe:
         got = measure(self.draft, sequences, prompt_len, prompt_mask, eos_ids, self.target)
         if got is None:
             return None
-        self.memory.add_acceptance(got.accepted, got.rejected, rounds=max(1, round(got.rejected)), int8=self.int8)
+        self.memory.add_acceptance(got.accepted, got.rejected, rounds=max(1, round(got.rejected)), int8=self.int8,
+                                   rows=sequences.shape[0])
         return {"alpha": round(got.alpha, 3), "positions": got.positions, "seconds": round(got.seconds, 3),
                 "draft": self.label}
 
