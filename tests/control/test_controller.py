@@ -969,6 +969,33 @@ def test_plain_is_not_calibrated_by_compiled_plans_and_its_hand_off_is_measured(
     assert made < 1.0 and memory.tail["plain"].share == pytest.approx(made)
 
 
+def test_our_loops_calls_charge_plain_for_its_tail_before_it_runs(monkeypatch):
+    """Answer lengths are the prompts', whatever path made them: a call in our loop whose rows ended apart says what
+    transformers' loop would have kept on padding, so plain's first hand-off at a batch is priced with its tail (its
+    first hand-offs at batch 4, priced at every row to the end, ran at 0.65-0.95x their price)."""
+    from hf_ssd import session
+    from hf_ssd.control.memory import PLAIN_TAIL_FORESEEN, record_plain
+    from hf_ssd.control.plain_acceptance import answer_mask
+
+    memory = Memory()
+    monkeypatch.setattr(session, "memory_for", lambda key: memory)
+    p = get_pair("llama")
+    ids, mask = left_pad([prompt(5, seed=11)[0], prompt(8, seed=12)[0]])
+    eos = int(plain_generate(p.target, ids, attention_mask=mask, max_new_tokens=10)[0, ids.shape[1] + 2])
+    out = p.target.generate(ids, attention_mask=mask, assistant_model=p.related, ssd=True, ssd_mode="sync",
+                            max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=eos,
+                            return_dict_in_generate=True)
+    assert out.ssd_stats["mode"] == "sync" and Plan("plain") not in memory.round_s  # plain never ran
+    made = answer_mask(out.sequences[:, ids.shape[1]:], [eos]).float().mean().item()
+    assert made < 1.0 and memory.tail[PLAIN_TAIL_FORESEEN].share == pytest.approx(made)
+    ctl = Controller(costs(), memory, 2, {}, fixed_alpha=0.8)
+    assert ctl.predict(Plan("plain")).tokens_per_round == pytest.approx(2 * made)
+    # plain steps in our loop drop the rows that ended, as our other plans do: not charged for padding
+    assert ctl.predict(Plan("plain"), in_loop=True).tokens_per_round == pytest.approx(2.0)
+    record_plain(memory, 0.1, 9, rows_share=0.9)  # once a hand-off has run, its own measurement prices it
+    assert ctl.predict(Plan("plain")).tokens_per_round == pytest.approx(2 * 0.9)
+
+
 def test_a_compiled_target_calibrates_plain_too():
     """With ssd_compile_target a plain choice runs compiled as well, so a compiled speed-up measured on other plans
     carries over to plain, as to every family that has not run."""

@@ -8,7 +8,7 @@ import statistics
 from typing import TYPE_CHECKING
 
 from hf_ssd.control.decision import family
-from hf_ssd.control.memory import Memory
+from hf_ssd.control.memory import PLAIN_TAIL_FORESEEN, Memory
 from hf_ssd.control.plan import Plan
 
 if TYPE_CHECKING:
@@ -97,10 +97,15 @@ def _plain_drifted(ctl: Controller) -> float | None:
     return measured.value / max(ctl.model(Plan("plain")).round_s, 1e-9) * ctl.memory.verify.value / then
 
 
-def tail_share(memory: Memory, plan: Plan) -> float:
+def tail_share(memory: Memory, plan: Plan, in_loop: bool = False) -> float:
     """The share of a plan's time that does its full batch's work (Memory.tail): its family's, 1 for a family
-    that has not run (like calibration, it never looks worse than the model before it has run)."""
+    that has not run (like calibration, it never looks worse than the model before it has run). Plain handed off
+    to transformers' loop before it has run there is the exception: its tail is the answers' (rows that end early
+    stay on padding), which our loop's calls foresee (memory.foresee_plain_tail); plain steps in our loop
+    (`in_loop`) drop the rows that end, as every plan there does."""
     tail = memory.tail.get(family(plan))
+    if tail is None and plan.mode == "plain" and not in_loop:
+        tail = memory.tail.get(PLAIN_TAIL_FORESEEN)
     return 1.0 if tail is None else tail.share
 
 

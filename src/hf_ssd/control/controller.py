@@ -258,6 +258,7 @@ class Controller(StartPricing):
             measured = self.memory.in_loop_plain
             own = measured.value if measured.n >= MIN_ROUNDS else 0.0
             pred.round_s = max(pred.round_s, self.model(plan).round_s, own)
+            pred.tokens_per_round = self.model(plan).tokens_per_round * tail_share(self.memory, plan, in_loop=True)
             return pred
         pred = self.model(plan)
         measured = self.memory.round_s.get(plan)

@@ -408,3 +408,17 @@ def record_plain(memory: Memory, step_s: float, steps: int, rows_share: float = 
         memory.record_round(Plan("plain"), step_s, count=min(steps, 8), rounds=steps)
         memory.plain_verify = memory.verify.value
         memory.tail.setdefault("plain", TailShare()).add(step_s * steps, rows_share, step_s * steps)
+
+
+PLAIN_TAIL_FORESEEN = "plain, foreseen"  # Memory.tail's key for plain's tail as our loop's calls foresee it
+
+
+def foresee_plain_tail(memory: Memory, row_tokens: list[int]) -> None:
+    """A call in our loop made `row_tokens` per row: run in transformers' loop, every row would have stepped as long
+    as the longest. Answer lengths are the prompts', not the path's, so this prices plain's tail before a hand-off
+    has measured it (priced at every row to the end, plain's first hand-offs at batch 4 ran at 0.65-0.95x their
+    price; calibration.tail_share)."""
+    longest = max(row_tokens, default=0)
+    if len(row_tokens) > 1 and longest > 0:
+        share = sum(row_tokens) / (len(row_tokens) * longest)
+        memory.tail.setdefault(PLAIN_TAIL_FORESEEN, TailShare()).add(float(longest), share, float(longest))

@@ -19,7 +19,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_ssd.config import SSDConfig, config_from_kwargs
 from hf_ssd.control.compiled import record_plain_loop_compile
-from hf_ssd.control.memory import record_plain, record_prefill
+from hf_ssd.control.memory import foresee_plain_tail, record_plain, record_prefill
 from hf_ssd.control.plain_acceptance import answer_mask
 from hf_ssd.hf.plain_hand_off import DecodeClock, compiled_graphs, use_static_cache
 from hf_ssd.kernels.packed_linear import applied as packed_linear_applied
@@ -225,6 +225,7 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
         # batch's padding (a batch of one long and three short prompts 0.44, of similar ones 0.85)
         record_prefill(stats.controller_memory, "engine", stats.target_prefill_s,
                        (input_ids.shape[1] - 1) * stats.prefill_share)
+        foresee_plain_tail(stats.controller_memory, [len(t) for t in rows.tokens])
     if stats.controller_memory is not None:  # how long calls run here: the next calls' horizon
         made = sequences.shape[1] - input_ids.shape[1] if handed_off else max(len(t) for t in rows.tokens)
         stats.controller_memory.call_length.add(made, ended=made < generation_config.max_length - input_ids.shape[1])
