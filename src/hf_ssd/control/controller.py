@@ -101,9 +101,10 @@ class Controller(StartPricing):
     # ---- what the controller believes -------------------------------------------------------------------------
     def acceptance(self, int8: bool = False) -> Acceptance:
         """α of the draft at precision `int8`: this call's own accepted and rejected drafts, behind the setting's
-        pooled α (the calls so far, each call's prompts weighing alike: Memory.alpha) as their prior. Prompts differ: the default pair accepts a code answer at
-        α ≈ 0.97 and a chat answer at 0.7, and mid-call every plan must be priced at this call's α (priced at the
-        pooled α, a call running K=3 on a code answer saw no gain in K=8)."""
+        pooled α (the calls so far, each prompt weighing alike: Memory.alpha) as their prior. Prompts differ: the
+        default pair accepts a code answer at α ≈ 0.97 and a chat answer at 0.7, and mid-call every plan must be
+        priced at this call's α (priced at the pooled α, a call running K=3 on a code answer saw no gain in K=8).
+        Computed once per decision (nothing is measured within one)."""
         return self._shared(("acceptance", int8, self.optimism), lambda: self._acceptance(int8))
 
     def _acceptance(self, int8: bool) -> Acceptance:
