@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 from hf_ssd.control.decision import family
 from hf_ssd.control.memory import PLAIN_TAIL_FORESEEN, Memory
-from hf_ssd.control.plan import Plan
+from hf_ssd.control.learned_line import tree_forwards
+from hf_ssd.control.plan import Plan, predict
 
 if TYPE_CHECKING:
     from hf_ssd.control.controller import Controller
@@ -51,7 +52,52 @@ def calibrated(ctl: Controller, plan: Plan, modelled: float, max_age: int | None
         extra = ctl._shared(("extra", fam, max_age), lambda: _extra(ctl, fam, max_age))
         if extra is not None:
             return max(modelled + extra, 0.5 * modelled)
-    return modelled * calibration(ctl, fam, max_age)
+    return (modelled + _slow_parts_s(ctl, plan, max_age)) * calibration(ctl, fam, max_age)
+
+
+def _slow_parts_s(ctl: Controller, plan: Plan, max_age: int | None) -> float:
+    """Seconds an eager drafting plan of a family that has not run adds to its modelled round where the plans that
+    ran measured their verify (Memory.verify) or their draft's forwards at its precision (Memory.lines) slower than
+    the cost lines. Those lines are timed over a short context; over long prompts the target's verify and the
+    draft's forwards are the same forwards in every drafting family, so their slow-down is not one family's own (as
+    contention may be: `calibration` keeps that to its family). On the default pair at batch 4 with ~300-token
+    prompts the verifies ran 1.3-1.5x the line; an SSD plan on a thread, priced at the lines, was predicted 20-22
+    tok/s, ran 0.40-0.46 s rounds (15-16 tok/s) and took calls from synchronous SD (sync K = 1 int8 ran 0.27-0.33
+    s rounds). Compiled plans price their parts off what compiled rounds measured (control.learned_line)."""
+    if plan.mode == "plain" or ctl.draft_compiled or ctl.plain_compiled or _has_run(ctl, family(plan), max_age):
+        return 0.0
+    model = ctl.model(plan)
+    slow = {}
+    verify = ctl.memory.verify
+    if verify.n >= MIN_ROUNDS and verify.value > 1.0:
+        slow["verify"] = verify.value * model.parts["verify"]
+    draft = ctl._shared(("draft ratio", plan.int8, max_age), lambda: _draft_ratio(ctl, plan.int8, max_age))
+    if draft is not None and draft > 1.0:
+        slow["draft"] = draft * model.parts["tree" if plan.mode == "ssd" else "draft"]
+        if plan.mode == "ssd":
+            slow["backup"] = draft * model.parts["backup"]
+    if not slow:
+        return 0.0
+    key = ("slow parts", plan, tuple(sorted(slow.items())))
+    repriced = ctl._shared(key, lambda: predict(plan, ctl.costs, ctl.acceptance(plan.int8), ctl.batch, slow,
+                                                ctl.served(plan)).round_s)
+    return repriced - model.round_s
+
+
+def _draft_ratio(ctl: Controller, int8: bool, max_age: int | None) -> float | None:
+    """Median measured / modelled seconds of the draft work of the plans that ran at precision `int8`."""
+    ratios = []
+    for plan, _ in _measured_rounds(ctl.memory, max_age):
+        line = ctl.memory.lines.get(("draft", family(plan), plan.int8))
+        if plan.mode == "plain" or plan.int8 != int8 or not line:
+            continue
+        modelled = ctl.model(plan).parts["tree" if plan.mode == "ssd" else "draft"]
+        ratios.append(line(tree_forwards(plan)) / max(modelled, 1e-9))
+    return statistics.median(ratios) if ratios else None
+
+
+def _has_run(ctl: Controller, fam: str, max_age: int | None) -> bool:
+    return any(family(plan) == fam for plan, _ in _measured_rounds(ctl.memory, max_age))
 
 
 def _measured_rounds(memory: Memory, max_age: int | None) -> list[tuple[Plan, float]]:
