@@ -933,10 +933,12 @@ def test_a_measured_speed_up_carries_over_to_families_that_have_not_run():
     assert ctl.predict(ssd).round_s == pytest.approx(ctl.model(ssd).round_s)
 
 
-def test_a_slow_verify_and_draft_price_the_drafting_families_that_have_not_run():
-    """The verify and the draft's forwards are the same forwards in every drafting family: measured slower than
-    their cost lines (long prompts; the lines are timed over a short context), they slow the unrun families'
-    predicted rounds too, part by part, while a whole-round slow-down stays with its family (test above). Plain's
+def test_sync_slow_downs_price_the_ssd_families_that_have_not_run():
+    """The verify and the draft's forwards are the same forwards in every family: where synchronous SD's rounds
+    (which run them alone) measured them slower than the cost lines (long prompts; the lines are timed over a short
+    context), an SSD family that has not run is priced with those parts slowed alike, while a whole-round
+    slow-down stays with its family (test above). Not the other way: an SSD verify beside its tree is slowed by the
+    tree too, and that prices no other family (priced into sync, `ssd=True` stayed on SSD at 0.77x our SD). Plain's
     hand-off is another loop and is left alone; a family that has run is priced by its own rounds."""
     from hf_ssd.control.learned_line import LearnedLine, tree_forwards
 
@@ -945,22 +947,21 @@ def test_a_slow_verify_and_draft_price_the_drafting_families_that_have_not_run()
     sync, ssd = Plan("sync", 2), Plan("ssd", 2, 8, "thread", threads=(1, 1))
     acc = ctl.acceptance()
     model_draft = ctl.model(sync).parts["draft"]
-    slow_round = predict(sync, c, acc, 4, {"verify": 1.5 * verify_s(sync, c), "draft": 1.4 * model_draft}).round_s
+    ctl.record_verify(sync, 1.5 * verify_s(sync, c))
+    ctl.record_draft(sync, 1.4 * model_draft)
     measured = Ema()
-    measured.add(slow_round, count=8)
+    measured.add(predict(sync, c, acc, 4, {"verify": 1.5 * verify_s(sync, c), "draft": 1.4 * model_draft}).round_s,
+                 count=8)
     ctl.memory.round_s[sync] = measured
-    ctl.memory.verify.add(1.5, count=8)
-    line = ctl.memory.lines.setdefault(("draft", "sync", False), LearnedLine(proportional=True))
-    line.add(tree_forwards(sync), 1.4 * model_draft)
     parts = ctl.model(ssd).parts
     expected = predict(ssd, c, acc, 4, {"verify": 1.5 * parts["verify"], "draft": 1.4 * parts["tree"],
                                          "backup": 1.4 * parts["backup"]}).round_s
     assert ctl.predict(ssd).round_s == pytest.approx(expected)
     assert expected > 1.3 * ctl.model(ssd).round_s
     assert ctl.predict(Plan("plain")).round_s == pytest.approx(ctl.model(Plan("plain")).round_s)
-    int8 = Plan("ssd", 2, 8, "thread", int8=True, threads=(1, 1))  # no int8 draft measured: its verify only
-    ctl8 = controller(costs(batch=4, int8=(0.01, 0.0003)), alpha=0.8, batch=4)
-    ctl8.memory = ctl.memory
+    # an int8 SSD plan: the verify is the same forward, the fp32 draft's forwards are not its own
+    ctl8 = Controller(costs(batch=4, int8=(0.01, 0.0003)), ctl.memory, 4, {}, fixed_alpha=0.8)
+    int8 = Plan("ssd", 2, 8, "thread", int8=True, threads=(1, 1))
     p8 = ctl8.model(int8).parts
     assert ctl8.predict(int8).round_s == pytest.approx(
         predict(int8, ctl8.costs, acc, 4, {"verify": 1.5 * p8["verify"]}).round_s)
@@ -969,6 +970,15 @@ def test_a_slow_verify_and_draft_price_the_drafting_families_that_have_not_run()
     ctl.memory.round_s[ssd] = own
     other = Plan("ssd", 2, 12, "thread", threads=(1, 1))
     assert ctl.predict(other).round_s == pytest.approx(ctl.model(other).round_s)
+
+    # the other way round: SSD on a thread ran, its verifies and trees slowed beside each other; sync has not run
+    ctl = controller(c, alpha=0.8, batch=4)
+    ctl.record_verify(ssd, 1.6 * ctl.model(ssd).parts["verify"])
+    ctl.record_draft(ssd, 1.6 * ctl.model(ssd).parts["tree"])
+    slow = Ema()
+    slow.add(1.6 * ctl.model(ssd).round_s, count=8)
+    ctl.memory.round_s[ssd] = slow
+    assert ctl.predict(sync).round_s == pytest.approx(ctl.model(sync).round_s)
 
 
 def test_plain_is_not_calibrated_by_compiled_plans_and_its_hand_off_is_measured(monkeypatch):

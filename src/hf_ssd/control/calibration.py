@@ -56,26 +56,25 @@ def calibrated(ctl: Controller, plan: Plan, modelled: float, max_age: int | None
 
 
 def _slow_parts_s(ctl: Controller, plan: Plan, max_age: int | None) -> float:
-    """Seconds an eager drafting plan of a family that has not run adds to its modelled round where the plans that
-    ran measured their verify (Memory.verify) or their draft's forwards at its precision (Memory.lines) slower than
-    the cost lines. Those lines are timed over a short context; over long prompts the target's verify and the
-    draft's forwards are the same forwards in every drafting family, so their slow-down is not one family's own (as
-    contention may be: `calibration` keeps that to its family). On the default pair at batch 4 with ~300-token
-    prompts the verifies ran 1.3-1.5x the line; an SSD plan on a thread, priced at the lines, was predicted 20-22
-    tok/s, ran 0.40-0.46 s rounds (15-16 tok/s) and took calls from synchronous SD (sync K = 1 int8 ran 0.27-0.33
-    s rounds). Compiled plans price their parts off what compiled rounds measured (control.learned_line)."""
-    if plan.mode == "plain" or ctl.draft_compiled or ctl.plain_compiled or _has_run(ctl, family(plan), max_age):
+    """Seconds an eager SSD plan of a family that has not run adds to its modelled round where synchronous SD's
+    rounds measured their verify or their draft's forwards (at the plan's precision) slower than the cost lines.
+    Those lines are timed over a short context; over long prompts the target's verify and the draft's forwards are
+    the same forwards in every family, so their slow-down is not sync's own. Only sync's: its parts run alone,
+    while an SSD verify beside a tree is slowed by the tree too, which is that family's own contention (priced
+    into sync, it kept `ssd=True` on SSD for a whole batch-1 run at 0.77x our SD). On the default pair at batch 4
+    with ~300-token prompts the verifies ran 1.3-1.5x the line; an SSD plan on a thread, priced at the lines, was
+    predicted 20-22 tok/s, ran 0.40-0.46 s rounds (15-16 tok/s) and took calls from synchronous SD (sync K = 1
+    int8 ran 0.27-0.33 s rounds). Compiled plans price their parts off what compiled rounds measured
+    (control.learned_line)."""
+    if plan.mode != "ssd" or ctl.draft_compiled or ctl.plain_compiled or _has_run(ctl, family(plan), max_age):
         return 0.0
+    verify, draft = ctl._shared(("sync slow-downs", plan.int8, max_age), lambda: _sync_ratios(ctl, plan.int8, max_age))
     model = ctl.model(plan)
     slow = {}
-    verify = ctl.memory.verify
-    if verify.n >= MIN_ROUNDS and verify.value > 1.0:
-        slow["verify"] = verify.value * model.parts["verify"]
-    draft = ctl._shared(("draft ratio", plan.int8, max_age), lambda: _draft_ratio(ctl, plan.int8, max_age))
+    if verify is not None and verify > 1.0:
+        slow["verify"] = verify * model.parts["verify"]
     if draft is not None and draft > 1.0:
-        slow["draft"] = draft * model.parts["tree" if plan.mode == "ssd" else "draft"]
-        if plan.mode == "ssd":
-            slow["backup"] = draft * model.parts["backup"]
+        slow.update(draft=draft * model.parts["tree"], backup=draft * model.parts["backup"])
     if not slow:
         return 0.0
     key = ("slow parts", plan, tuple(sorted(slow.items())))
@@ -84,16 +83,21 @@ def _slow_parts_s(ctl: Controller, plan: Plan, max_age: int | None) -> float:
     return repriced - model.round_s
 
 
-def _draft_ratio(ctl: Controller, int8: bool, max_age: int | None) -> float | None:
-    """Median measured / modelled seconds of the draft work of the plans that ran at precision `int8`."""
-    ratios = []
+def _sync_ratios(ctl: Controller, int8: bool, max_age: int | None) -> tuple[float | None, float | None]:
+    """Median measured / modelled seconds of the verify (any precision) and of the draft work (at precision
+    `int8`) of the synchronous plans that ran; None where none measured it."""
+    verifies, drafts = [], []
+    verify_line = ctl.memory.lines.get(("verify", "sync"))
+    draft_line = ctl.memory.lines.get(("draft", "sync", int8))
     for plan, _ in _measured_rounds(ctl.memory, max_age):
-        line = ctl.memory.lines.get(("draft", family(plan), plan.int8))
-        if plan.mode == "plain" or plan.int8 != int8 or not line:
+        if plan.mode != "sync":
             continue
-        modelled = ctl.model(plan).parts["tree" if plan.mode == "ssd" else "draft"]
-        ratios.append(line(tree_forwards(plan)) / max(modelled, 1e-9))
-    return statistics.median(ratios) if ratios else None
+        parts = ctl.model(plan).parts
+        if verify_line:
+            verifies.append(verify_line(plan.K + 1) / max(parts["verify"], 1e-9))
+        if draft_line and plan.int8 == int8:
+            drafts.append(draft_line(tree_forwards(plan)) / max(parts["draft"], 1e-9))
+    return (statistics.median(verifies) if verifies else None, statistics.median(drafts) if drafts else None)
 
 
 def _has_run(ctl: Controller, fam: str, max_age: int | None) -> bool:
