@@ -940,8 +940,6 @@ def test_sync_slow_downs_price_the_ssd_families_that_have_not_run():
     slow-down stays with its family (test above). Not the other way: an SSD verify beside its tree is slowed by the
     tree too, and that prices no other family (priced into sync, `ssd=True` stayed on SSD at 0.77x our SD). Plain's
     hand-off is another loop and is left alone; a family that has run is priced by its own rounds."""
-    from hf_ssd.control.learned_line import LearnedLine, tree_forwards
-
     c = costs(batch=4)
     ctl = controller(c, alpha=0.8, batch=4)
     sync, ssd = Plan("sync", 2), Plan("ssd", 2, 8, "thread", threads=(1, 1))
