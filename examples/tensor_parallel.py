@@ -36,3 +36,5 @@ same = out.sequences.tolist() == plain.tolist()
 print(f"rank {rank}: tensor parallel={bool(tp)}, hit rate={out.ssd_stats['hit_rate']}, identical to a "
       f"single-process target: {same}")
 assert same
+if torch.distributed.is_initialized():  # stop gloo/NCCL threads before exit, or the process may abort
+    torch.distributed.destroy_process_group()

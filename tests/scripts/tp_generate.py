@@ -20,3 +20,7 @@ for mode in ("sync", "ssd"):
     result[mode] = out[0].tolist()
 with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
     json.dump(result, f)
+# Gloo's worker threads must stop before the interpreter does: exiting with a live process group can abort
+# ("terminate called without an active exception") and fail the run after all its work is done.
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
