@@ -4,6 +4,8 @@ extrapolated from its siblings, and at α = 1 that left SSD K = 8 priced below c
 it ran 1.18x faster."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from hf_ssd.control.compiled import COMPILE_FREE_MAX_CALLS
@@ -24,6 +26,7 @@ def _scenario(memory: Memory | None = None, compiled: bool = True):
     sync = max((p for p in ctl.plans if p.mode == "sync"), key=lambda p: ctl.predict(p).tokens_per_s)
     ctl.memory.record_round(sync, ctl.model(sync).round_s / SYNC_MEASURED_FASTER, count=8)
     ctl.memory.second_looks.add(sync)  # and had its second look (exploration.second_look)
+    ctl.memory.neighbour_looks.update(replace(sync, K=sync.K + d) for d in (-1, 1))  # and the K next to it theirs
     return ctl, small, sync
 
 
@@ -45,7 +48,8 @@ def test_no_look_once_compiling_is_no_longer_free():
 
 
 def test_no_look_with_eager_forwards():
-    """Eager plans are priced off cost lines timed width by width: nothing is extrapolated."""
+    """Eager plans are priced off cost lines timed width by width: no family-wide look (the K next to the choice's
+    gets its own: exploration.neighbour_look)."""
     ctl, _, sync = _scenario(compiled=False)
     assert ctl.decide().plan == sync
 

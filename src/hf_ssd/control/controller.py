@@ -19,8 +19,8 @@ from hf_ssd.control.compiled import (COMPILE_PRIOR_S, built, compile_share, comp
                                      graph_seconds, plan_graphs)
 from hf_ssd.control.costs import Costs
 from hf_ssd.control.decision import Decision, Horizon, family, retunable, simpler
-from hf_ssd.control.exploration import (alpha_exploration, family_exploration, second_look, still_exploring,
-                                        untried_look, untried_score)
+from hf_ssd.control.exploration import (alpha_exploration, family_exploration, neighbour_look, second_look,
+                                        still_exploring, untried_look, untried_score)
 from hf_ssd.control.gc_quiet import collections_paused
 from hf_ssd.control.learned_line import LearnedLine, measured_parts, tree_forwards
 from hf_ssd.control.memory import Memory, Tally, Yield
@@ -322,7 +322,7 @@ class Controller(StartPricing):
                 return explore
         if current is None:
             explore = (family_exploration(self, preds, best, ran) or untried_look(self, preds, best, ran)
-                       or second_look(self, preds, best))
+                       or neighbour_look(self, preds, best) or second_look(self, preds, best))
             if explore is not None:
                 return explore
         if current is not None and current.mode != "plain" and best.plan.mode == "plain":

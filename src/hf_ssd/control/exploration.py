@@ -5,7 +5,8 @@ At a call's start: plain decoding measures no α, so while α rests on few round
 drafts instead (`alpha_exploration`); an untried plan of a family that has run needs a clear predicted gain over
 its measured siblings (`untried_score`); a drafting family that has never run gets one call if it is predicted
 close to the choice (`family_exploration`); while compiling is free, a family that has run gets one call of its
-fastest plan where that has a K the family has not run and is predicted close to the choice (`untried_look`); and a
+fastest plan where that has a K the family has not run and is predicted close to the choice (`untried_look`); the
+untried K next to the measured choice's gets one call where it is predicted close to it (`neighbour_look`); and a
 plan that one call measured, cold (compiled, or on a fresh draft process), gets a second (`second_look`).
 A call that runs plain may have its draft read α off the answer afterwards (`plain_measurement`). Every plan is
 exact: exploring costs speed, never the output law.
@@ -13,6 +14,7 @@ exact: exploring costs speed, never the output law.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from hf_ssd.control.compiled import compiling_free
@@ -59,6 +61,15 @@ FAMILY_EXPLORE_WITHIN = 0.85
 # and later they are charged to the call that switches, which a gain of tens of percent over a few calls never repays.
 # Only with compiled forwards: eager plans are priced off cost lines timed width by width, not extrapolated.
 UNTRIED_LOOK_WITHIN = 0.80
+# Eager plans are priced off cost lines timed once per process, one forward per width over a short context, and
+# the next K's price is the running K's measured round plus the lines' step: that step can be off by 2x. On an
+# Intel 2-core machine the default pair's lines put 36 ms on each verify token and 63 ms on each int8 draft step
+# where the engine's rounds over ~300-token prompts took 17 and 47 ms; sync K = 4 was priced 1-3% below the measured
+# K = 3, never ran (an untried plan needs UNTRIED_GAIN at a call's start), and ran 1.06x K = 3 in the hand-picked
+# rows (`ssd=True` 0.92x our SD K = 4 at batch 1, T = 0: benchmarks/default-pair-b1-equal-session46). So the untried
+# K next to the measured best's (its family, precision, budget and threads), predicted within NEIGHBOUR_LOOK_WITHIN
+# of it, gets one call; from a neighbour that measures faster the climb goes on, one K per call.
+NEIGHBOUR_LOOK_WITHIN = 0.93
 
 # A plan's first call is its coldest: its compiled graphs run for the first time, a fresh draft process touches its
 # weights, and the machine's drift is not averaged out. A plan that only one call has measured, priced within
@@ -146,6 +157,27 @@ def untried_look(ctl: Controller, preds: list[Prediction], best: Prediction, ran
     return _explore(ctl, pred, best, preds, f"a look at {pred.plan.label} ({pred.call_tokens_per_s:.2f} tok/s, "
                     f"within {1 - UNTRIED_LOOK_WITHIN:.0%} of the choice): it has not run, its price is extrapolated "
                     f"from its family's other plans, and its compiles are still the warm-up's")
+
+
+def neighbour_look(ctl: Controller, preds: list[Prediction], best: Prediction) -> Decision | None:
+    """The faster-predicted of the untried plans one K above and below `best`'s (itself measured; same family,
+    precision, budget and threads), where it is predicted within NEIGHBOUR_LOOK_WITHIN of `best` and needs nothing
+    compiled; once per plan."""
+    plan = best.plan
+    if plan.mode == "plain" or not ctl.measured(plan):
+        return None
+    looks = [pred for pred in preds
+             if family(pred.plan) == family(plan) and abs(pred.plan.K - plan.K) == 1
+             and replace(pred.plan, K=plan.K) == plan and not ctl.measured(pred.plan)
+             and pred.plan not in ctl.memory.neighbour_looks and pred.parts.get("compile", 0.0) <= 0
+             and pred.call_tokens_per_s >= NEIGHBOUR_LOOK_WITHIN * best.call_tokens_per_s]
+    if not looks:
+        return None
+    pred = max(looks, key=lambda p: p.call_tokens_per_s)
+    ctl.memory.neighbour_looks.add(pred.plan)
+    return _explore(ctl, pred, best, preds, f"a look at {pred.plan.label} ({pred.call_tokens_per_s:.2f} tok/s, "
+                    f"within {1 - NEIGHBOUR_LOOK_WITHIN:.0%} of the choice): the K next to the choice's has not run, "
+                    f"and the cost lines' price of one more or one less step is the least sure part of it")
 
 
 def _explore(ctl: Controller, pred: Prediction, best: Prediction, preds: list[Prediction], why: str) -> Decision:

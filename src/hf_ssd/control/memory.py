@@ -289,6 +289,7 @@ class Memory:
     second_looks: set = field(default_factory=set)  # plans a call ran again after one cold call priced them
     stale_look_at: int = -(10**9)  # `clock` at the last look at a plan whose price had gone stale (exploration)
     untried_looks: set = field(default_factory=set)  # families whose best untried plan a call ran (untried_look)
+    neighbour_looks: set = field(default_factory=set)  # plans a call ran as the K next to the choice's (neighbour_look)
     # plans that compiled graphs in the running call (here or in their draft process). Their rounds between compiles
     # still ran beside the compiler and the first runs of new graphs: in a fresh process, `ssd=True` priced SSD
     # with the process worker at 14.4 ms a round from a call that compiled for 35 s (its warm rounds took 9 ms),
