@@ -59,7 +59,8 @@ FAMILY_EXPLORE_WITHIN = 0.85
 # setting still compiles for free (control.compiled.compiling_free), the fastest untried plan of each family that has
 # run gets one call if it is predicted within UNTRIED_LOOK_WITHIN of the choice: its compiles are the warm-up's then,
 # and later they are charged to the call that switches, which a gain of tens of percent over a few calls never repays.
-# Only with compiled forwards: eager plans are priced off cost lines timed width by width, not extrapolated.
+# Only with compiled forwards: eager plans are priced off cost lines timed width by width, not extrapolated (but the
+# K next to the choice's gets a look of its own, below).
 UNTRIED_LOOK_WITHIN = 0.80
 # Eager plans are priced off cost lines timed once per process, one forward per width over a short context, and
 # the next K's price is the running K's measured round plus the lines' step: that step can be off by 2x. On an
@@ -167,8 +168,7 @@ def neighbour_look(ctl: Controller, preds: list[Prediction], best: Prediction) -
     if plan.mode == "plain" or not ctl.measured(plan):
         return None
     looks = [pred for pred in preds
-             if family(pred.plan) == family(plan) and abs(pred.plan.K - plan.K) == 1
-             and replace(pred.plan, K=plan.K) == plan and not ctl.measured(pred.plan)
+             if abs(pred.plan.K - plan.K) == 1 and replace(pred.plan, K=plan.K) == plan and not ctl.measured(pred.plan)
              and pred.plan not in ctl.memory.neighbour_looks and pred.parts.get("compile", 0.0) <= 0
              and pred.call_tokens_per_s >= NEIGHBOUR_LOOK_WITHIN * best.call_tokens_per_s]
     if not looks:
