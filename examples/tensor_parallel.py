@@ -8,6 +8,7 @@ rank holds for itself, so drafting never waits on the target's collectives. All 
 (greedy, or sampling with the same seed on every rank). Without torchrun it runs as a single process.
 """
 import os
+import shutil
 import tempfile
 
 import torch
@@ -18,7 +19,8 @@ from _common import encode, load, parser
 args = parser(__doc__).parse_args()
 rank = int(os.environ.get("RANK", "0"))
 reference_target, draft, tok, n = load(args)
-if args.tiny or os.environ.get("HF_SSD_TINY") == "1":
+tiny = args.tiny or os.environ.get("HF_SSD_TINY") == "1"
+if tiny:
     path = tempfile.mkdtemp(prefix=f"hf-ssd-tp-{rank}-")  # every rank saves its identical copy
     reference_target.save_pretrained(path)
 else:
@@ -27,6 +29,8 @@ else:
     [path] = prepare("qwen-1.5b")
 tp = {"tp_plan": "auto"} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {}
 target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **tp).eval()
+if tiny:
+    shutil.rmtree(path, ignore_errors=True)  # loaded: the saved copy is no longer needed
 
 inputs = encode(tok, "Write a Python function that returns the n-th Fibonacci number.")
 out = target.generate(**inputs, assistant_model=draft, ssd=True, max_new_tokens=n, do_sample=False,

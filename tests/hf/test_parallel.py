@@ -33,7 +33,7 @@ def test_tensor_parallel_target_matches_single_process(saved_pair, tmp_path):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     if torchrun is None:
         pytest.skip("torchrun not found next to the interpreter")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}  # torchrun's own temp dirs
     proc = subprocess.run(
         [torchrun, "--nproc-per-node", "2", "--master-port", "29531", str(SCRIPT), str(root / "target"), str(tmp_path)],
         capture_output=True, text=True, timeout=600, env=env,

@@ -25,7 +25,7 @@ def test_example_runs(name, monkeypatch, capsys):
     assert capsys.readouterr().out.strip()
 
 
-def test_tensor_parallel_example_under_torchrun():
+def test_tensor_parallel_example_under_torchrun(tmp_path):
     """The TP example for real: 2 ranks (gloo), target sharded, draft outside the group, same tokens as 1 process."""
     import os
     import shutil
@@ -36,11 +36,13 @@ def test_tensor_parallel_example_under_torchrun():
         pytest.skip("torchrun not found next to the interpreter")
     proc = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", "29533",
                            str(EXAMPLES / "tensor_parallel.py"), "--tiny"], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=str(EXAMPLES))
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)},
+                          cwd=str(EXAMPLES))
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank}: tensor parallel=True" in proc.stdout
     assert proc.stdout.count("identical to a single-process target: True") == 2
+    assert not list(tmp_path.glob("hf-ssd-tp-*")), "the example left its saved copies behind"
 
 
 def test_eval_cli_tiny(tmp_path, capsys):
