@@ -360,6 +360,9 @@ def test_overhead_compiled_rows_and_controller_choice(tmp_path):
     assert calls and all(c["ended_on"] and c["first_reason"] and c["predicted"] for c in calls)
     assert calls[-1]["ended_on"] == auto["controller_choice"]
     assert all("controller" not in s for s in report["samples"] if s["method"] != "ssd:auto+compile")
+    # and which backup served its misses, per call (plain has no rounds to serve)
+    assert all(isinstance(s["backup_rounds"], dict) for s in report["samples"] if s["method"] != "plain")
+    assert all(s["backup_rounds"] is None for s in report["samples"] if s["method"] == "plain")
 
 
 def test_failed_optional_method_is_reported(monkeypatch, tmp_path):

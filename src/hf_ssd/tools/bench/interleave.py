@@ -184,6 +184,9 @@ def _sample(setting, temp, b, ps, m, bi, rep, batch, r, eq) -> dict[str, Any]:
         "tokens_per_s_decode": safe_div(n_new - len(r["tokens"]), r["wall_s"] - r["ttft_s"]),
         "hit_rate": (r["ssd_stats"] or {}).get("hit_rate"),
         "mean_tokens_per_round": (r["ssd_stats"] or {}).get("mean_tokens_per_round"),
+        # which backup served the rounds after a cache miss, per call: a miss served by the n-gram lookup commits far
+        # less than one the draft serves, and the result row only keeps the sum over every call of every plan
+        "backup_rounds": (r["ssd_stats"] or {}).get("backup_rounds"),
         "greedy_equal": eq, "threads": r["threads"],
     }
     control = (r["ssd_stats"] or {}).get("controller")
