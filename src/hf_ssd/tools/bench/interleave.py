@@ -176,20 +176,21 @@ def _greedy_check(m, r, temp, rep, key, plain_out) -> bool | None:
 def _sample(setting, temp, b, ps, m, bi, rep, batch, r, eq) -> dict[str, Any]:
     cats = sorted({p["category"] for p in batch})
     n_new = sum(len(t) for t in r["tokens"])
+    stats = r["ssd_stats"] or {}  # none for plain decoding
     sample = {
         "setting": setting, "temperature": temp, "batch_size": b, "method": m.name, "batch_index": bi,
         "repeat": rep, "prompt_ids": [p["id"] for p in batch],
         "category": cats[0] if len(cats) == 1 else "mixed", "prompt_set": ps, "new_tokens": n_new,
         "wall_s": r["wall_s"], "ttft_s": r["ttft_s"], "tokens_per_s_e2e": safe_div(n_new, r["wall_s"]),
         "tokens_per_s_decode": safe_div(n_new - len(r["tokens"]), r["wall_s"] - r["ttft_s"]),
-        "hit_rate": (r["ssd_stats"] or {}).get("hit_rate"),
-        "mean_tokens_per_round": (r["ssd_stats"] or {}).get("mean_tokens_per_round"),
+        "hit_rate": stats.get("hit_rate"),
+        "mean_tokens_per_round": stats.get("mean_tokens_per_round"),
         # which backup served the rounds after a cache miss, per call: a miss served by the n-gram lookup commits far
         # less than one the draft serves, and the result row only keeps the sum over every call of every plan
-        "backup_rounds": (r["ssd_stats"] or {}).get("backup_rounds"),
+        "backup_rounds": stats.get("backup_rounds"),
         "greedy_equal": eq, "threads": r["threads"],
     }
-    control = (r["ssd_stats"] or {}).get("controller")
+    control = stats.get("controller")
     if control:  # ssd:auto: this call's plans, and why it started on the first (the result row keeps only the last)
         sample["controller"] = _call_record(control)
     return sample
