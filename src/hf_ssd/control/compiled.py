@@ -85,7 +85,7 @@ def plan_graphs(plan: Plan, draft: bool, target: bool, in_loop: bool = False,
     graphs: set[tuple] = set()
     if target:
         graphs.add(("target", plan.K + 1, *on(static_cache_len(max_length or 0, TARGET_K_MAX, 0))))
-    if draft:
+    if draft and not plan.int8:  # an int8 draft runs eagerly (runtime.static_choice.compilable)
         where = ("draft", plan.int8, plan.worker == "process")
         if plan.mode == "sync":  # runtime.static_choice: room for MAX_K drafts (a retune) and a hole per token
             widths: tuple[int, ...] = (1, 2)

@@ -17,6 +17,14 @@ from hf_ssd.runtime.static_kv import StaticCachedModel, static_cache_len
 MAX_SLOTS = 1 << 16  # beyond this many slots per row the static buffers are not worth it: the dynamic cache is used
 
 
+def compilable(model: torch.nn.Module) -> bool:
+    """Can torch.compile trace `model`'s forward? Not with torch.ao's dynamic int8 Linears (the int8 draft copy of
+    draft/quant.py, or a draft its user quantized that way): they keep their packed weights in a TorchScript
+    object, which dynamo refuses ("Failed to convert args/kwargs to proxy", torch 2.13). Tried anyway, every width
+    failed to compile in every call, warned, and ran eagerly."""
+    return not any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in model.modules())
+
+
 def _probe_faster(kv: StaticCachedModel, width: int, reps: int = 5) -> bool:
     """One fixed-shape forward of `width` tokens per row, eager vs compiled (compile time excluded): is compiled
     faster? The result is kept on the registry entry (so once per process and shapes)."""
@@ -77,6 +85,12 @@ def static_draft_cache(model: PreTrainedModel, config, batch: int, max_length: i
     mode = getattr(config, "compile", False)
     if mode is False:
         return None
+    if not compilable(model):
+        if mode is True:
+            warnings.warn("hf_ssd: ssd_compile: the int8 draft runs eagerly (torch.compile cannot trace torch.ao's "
+                          "dynamic int8 Linears); pass ssd_draft_quantize=None to compile the draft.", RuntimeWarning,
+                          stacklevel=2)
+        return None
     device_map = getattr(model, "hf_device_map", None)
     if device_map is not None and len(set(device_map.values())) > 1:
         return None
@@ -115,6 +129,10 @@ def static_target_cache(model: PreTrainedModel, batch: int, max_length: int, K_m
         return None
     M = static_cache_len(max_length, K_max, 0)
     if M > MAX_SLOTS:
+        return None
+    if not compilable(model):
+        warnings.warn("hf_ssd: ssd_compile_target: this target's torch.ao int8 Linears cannot be compiled; the target "
+                      "verifies eagerly.", RuntimeWarning, stacklevel=2)
         return None
     try:
         return StaticCachedModel(model, batch, M, compile=static_kv.COMPILE_ENABLED, hot_widths=VERIFY_WIDTHS)
