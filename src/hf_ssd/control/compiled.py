@@ -68,8 +68,8 @@ def plan_graphs(plan: Plan, draft: bool, target: bool, in_loop: bool = False,
                 max_length: int | None = None, prompt_len: int = 0) -> frozenset[tuple]:
     """The compiled graphs `plan` runs on: its verify width (a compiled target), its draft widths (a compiled draft:
     glue K+1, tree N and N+1, single steps; synchronous SD 1 and 2), and for plain at the start of a call,
-    transformers' compiled decode step. A process worker compiles in its own process, an int8 draft on its own
-    model, so their graphs are told apart. Mid-generation plain steps run eagerly (`in_loop`): no graph.
+    transformers' compiled decode step. A process worker compiles in its own process, so its graphs are told
+    apart; an int8 draft runs eagerly (runtime.static_choice.compilable): no draft graph. Mid-generation plain steps run eagerly (`in_loop`): no graph.
 
     max_length: the call's length limit. Our graphs are built per static cache, and a cache is sized for a call's
     length and the plan's tree (runtime.static_kv.static_cache_len), so each graph then also names its cache's
@@ -115,7 +115,7 @@ def compiled_in_process(graph: tuple, target, draft, batch: int) -> bool:
     benchmark's hand-picked rows) compiled our target's verify widths and the full-precision draft's single steps
     on the same caches. Those were charged as if missing: on the overhead workload at batch 1 `ssd=True` never
     tried compiled sync SD on MT-Bench, the fastest row there, once its free compiling calls were spent. A draft
-    process's graphs (and an int8 copy's) are its own and are not looked up."""
+    process's graphs are its own and are not looked up (an int8 copy has none: it runs eagerly)."""
     slots = graph[-1][1] if isinstance(graph[-1], tuple) and graph[-1][0] == "slots" else None
     if graph[0] == "target":
         model, width = target, graph[1]
