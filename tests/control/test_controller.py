@@ -289,9 +289,35 @@ def test_a_batchs_tail_is_charged_only_where_it_costs_more_than_its_rows(regime)
         assert share == pytest.approx(sum(w * r for w, (_, r) in zip(weights, rounds)) / sum(weights))
         assert share < 0.6
     assert ctl.predict(plan).tokens_per_round == pytest.approx(share * ctl.model(plan).tokens_per_round)
-    assert ctl.predict(Plan("ssd", 3, 8, "thread")).tokens_per_round == pytest.approx(
-        ctl.model(Plan("ssd", 3, 8, "thread")).tokens_per_round)  # a family that has not run: not scaled
+    ssd = Plan("ssd", 3, 8, "thread")  # a family that has not run a tail takes sync's share
+    assert ctl.predict(ssd).tokens_per_round == pytest.approx(share * ctl.model(ssd).tokens_per_round)
     assert ctl.predict(Plan("plain")).tokens_per_round == 4.0
+
+
+def test_a_family_that_has_not_run_a_tail_borrows_the_highest_measured_share():
+    """At batch 4 synchronous SD's tails cost it a quarter of its time. An SSD family that never ran, or ran only
+    full rounds (its calls switched away before their rows ended), would otherwise be priced at a share of 1 and
+    look a third faster than sync for nothing of its own; it takes the best share the drafting families that ran
+    a tail measured, until it runs a tail itself. Plain decoding is priced by its own loop's tail, never borrowed."""
+    ctl = controller(costs(), alpha=0.8, batch=4)
+    thread, process = Plan("ssd", 2, 8, "thread"), Plan("ssd", 2, 8, "process")
+    assert tail_share(ctl.memory, thread) == 1.0  # no tail measured anywhere
+    sync_tail = ctl.memory.tail.setdefault("sync", TailShare())
+    for seconds, rows_share in [(1.0, 1.0)] * 10 + [(1.0, 0.25)] * 5:
+        sync_tail.add(seconds, rows_share, 1.0)
+    assert 0.5 < sync_tail.share < 0.9
+    thread_tail = ctl.memory.tail.setdefault("ssd:thread", TailShare())
+    for _ in range(20):
+        thread_tail.add(1.0, 1.0, 1.0)  # full rounds only
+    assert thread_tail.share == 1.0 and not thread_tail.seen
+    assert tail_share(ctl.memory, thread) == pytest.approx(sync_tail.share)
+    assert tail_share(ctl.memory, process) == pytest.approx(sync_tail.share)
+    thread_tail.add(0.3, 0.25, 1.0)  # its own tail, cheap: now its own share, and the best one to borrow
+    assert thread_tail.seen and tail_share(ctl.memory, thread) == pytest.approx(thread_tail.share)
+    assert thread_tail.share > sync_tail.share
+    assert tail_share(ctl.memory, process) == pytest.approx(thread_tail.share)
+    assert tail_share(ctl.memory, Plan("plain")) == 1.0
+    assert tail_share(ctl.memory, Plan("plain"), in_loop=True) == 1.0
 
 
 def test_plain_rows_that_ended_early_are_charged_too():

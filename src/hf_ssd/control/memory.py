@@ -124,6 +124,7 @@ class TailShare:
 
     def __init__(self):
         self.useful = self.spent = 0.0
+        self.tail_rounds = 0  # tail rounds recorded: a family that switched away before its calls' tails has none
 
     def add(self, seconds: float, rows_share: float, full_round_s: float | None) -> None:
         """A round that took `seconds` with `rows_share` of the call's rows decoding; a full round counts as all
@@ -131,12 +132,18 @@ class TailShare:
         if rows_share < 1.0 and (full_round_s is None or seconds > OUTLIER * full_round_s):  # or a one-off stall
             return
         useful = seconds if rows_share >= 1.0 else min(seconds, rows_share * full_round_s)
+        self.tail_rounds += rows_share < 1.0
         self.useful = TAIL_DECAY * self.useful + useful
         self.spent = TAIL_DECAY * self.spent + seconds
 
     @property
     def share(self) -> float:
         return self.useful / self.spent if self.spent > 0 else 1.0
+
+    @property
+    def seen(self) -> bool:
+        """Has a tail round been recorded (else the share is 1 for want of a tail, not because tails are free)?"""
+        return self.tail_rounds > 0
 
 
 CALL_LENGTH_DECAY = 0.9  # per call: the expected length follows the last ~10 calls
