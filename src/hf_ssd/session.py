@@ -149,6 +149,16 @@ def run_session(
         chain += [sync_drafter, lambda: NullDrafter(K, input_device(target))]
         return FallbackDrafter(chain, stats)
 
+    def plain_probe() -> PlainProbe | None:
+        """Plain observes no α: where the controller asks for it, the draft reads α off the answer afterwards."""
+        measuring = plain_measurement(controller, first, horizon)
+        if measuring is None:
+            return None
+        model = quantized_draft(draft, "int8" if measuring.int8 else None)
+        return PlainProbe(DraftModel(model, 0, vocab, draft_processors, greedy, 1.0, None,
+                                     packed_linear=config.packed_linear),
+                          controller.memory, measuring.label, int8=measuring.int8)
+
     threads_before = torch.get_num_threads()  # plans may set their own; the caller's setting comes back at the end
     plan = fixed_plan(config, d_device)
     # a kept draft process (workers.pool): one the controller may choose when the options leave the worker to it,
@@ -190,20 +200,17 @@ def run_session(
             controller.memory.call_explores = first.choice is not None  # not one of the free compiling calls
             if pooled is None and worker is None and config.worker == "auto":
                 wanted = controller.process_option(first.chosen, horizon, pool.start_seconds())
-            if plain_hand_off and first.plan.mode == "plain":
+            if plain_hand_off and first.plan.mode == "plain" and not first.in_loop:
                 stats.mode, stats.worker = "plain", "inline"
                 for name in ("per_row_accepted", "per_row_rounds", "per_row_hits", "per_row_lookups"):
                     setattr(stats, name, [0] * B)  # one entry per row, as every other plan reports
                 stats.controller = call_record(controller, first, "; ran transformers' own decoding loop")
                 _ask_for_process(draft, wanted, pooled, stats, first.plan)
                 controller.mark_compiled(first.plan)
-                measuring = plain_measurement(controller, first, horizon)
-                if measuring is not None:  # plain observes no α: the draft reads it off the answer afterwards
-                    model = quantized_draft(draft, "int8" if measuring.int8 else None)
-                    stats.plain_probe = PlainProbe(DraftModel(model, 0, vocab, draft_processors, greedy, 1.0, None,
-                                                              packed_linear=config.packed_linear),
-                                                   controller.memory, measuring.label, int8=measuring.int8)
+                stats.plain_probe = plain_probe()
                 return None, stats
+            if first.in_loop and greedy:  # sampled, the target's distributions would be needed, row by row
+                stats.plain_probe = plain_probe()
             drafter = ControlledDrafter(controller, build, stats, first, disturbed=pool.starting,
                                         max_length=generation_config.max_length)
     try:  # from here on the drafter is closed whatever happens (it may hold a kept DraftProcess)

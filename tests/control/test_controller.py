@@ -298,7 +298,8 @@ def test_a_family_that_has_not_run_a_tail_borrows_the_highest_measured_share():
     """At batch 4 synchronous SD's tails cost it a quarter of its time. An SSD family that never ran, or ran only
     full rounds (its calls switched away before their rows ended), would otherwise be priced at a share of 1 and
     look a third faster than sync for nothing of its own; it takes the best share the drafting families that ran
-    a tail measured, until it runs a tail itself. Plain decoding is priced by its own loop's tail, never borrowed."""
+    a tail measured, until it runs a tail itself. Plain handed off to transformers' loop is priced by that loop's
+    tail (rows stay on padding), never borrowed; plain steps in our loop borrow too."""
     ctl = controller(costs(), alpha=0.8, batch=4)
     thread, process = Plan("ssd", 2, 8, "thread"), Plan("ssd", 2, 8, "process")
     assert tail_share(ctl.memory, thread) == 1.0  # no tail measured anywhere
@@ -316,8 +317,9 @@ def test_a_family_that_has_not_run_a_tail_borrows_the_highest_measured_share():
     assert thread_tail.seen and tail_share(ctl.memory, thread) == pytest.approx(thread_tail.share)
     assert thread_tail.share > sync_tail.share
     assert tail_share(ctl.memory, process) == pytest.approx(thread_tail.share)
+    # plain handed off keeps every row to the end on padding (its own tail); in our loop it drops them, as drafting does
     assert tail_share(ctl.memory, Plan("plain")) == 1.0
-    assert tail_share(ctl.memory, Plan("plain"), in_loop=True) == 1.0
+    assert tail_share(ctl.memory, Plan("plain"), in_loop=True) == pytest.approx(thread_tail.share)
 
 
 def test_plain_rows_that_ended_early_are_charged_too():
@@ -1235,20 +1237,30 @@ def test_a_compiled_plain_step_is_calibrated_by_the_measured_verifies():
 
 
 def test_a_switch_to_plain_mid_generation_is_priced_as_our_loop_runs_it():
-    """Mid-generation, plain runs as one-token rounds of our loop (eager), not as the compiled transformers loop a
-    call hands off to: a compiled speed-up measured on the verifies makes plain the first choice of a call, but no
-    reason to switch to it mid-call."""
+    """Mid-generation, plain runs as one-token rounds of our loop, not as the transformers loop a call hands off to.
+    On a compiled target those steps run its compiled one-token graph: priced at compiled plain's price until they
+    are measured, then at least at what they measured (our per-round work included). On an eager target they are
+    never priced below the eager cost line."""
     ctl = Controller(costs(), Memory(), 1, {"mode": ("plain", "sync"), "K": (4,)}, fixed_alpha=0.5,
                      plain_compiled=True)
-    sync = Plan("sync", 4)
+    sync, plain = Plan("sync", 4), Plan("plain")
     ctl.memory.record_round(sync, 0.9 * ctl.model(sync).round_s, tokens=ctl.model(sync).tokens_per_round, count=8)
     eager_verify = ctl.model(sync).parts["verify"]
     for _ in range(8):
         ctl.record_verify(sync, 0.3 * eager_verify)
-    assert ctl.predict(Plan("plain")).tokens_per_s > 1.1 * ctl.predict(sync).tokens_per_s
-    assert ctl.decide().plan == Plan("plain")
-    assert ctl.model(Plan("plain")).tokens_per_s < ctl.predict(sync).tokens_per_s
+    assert ctl.predict(plain).tokens_per_s > 1.1 * ctl.predict(sync).tokens_per_s
+    assert ctl.decide().plan == plain
+    assert ctl.model(plain).tokens_per_s < ctl.predict(sync).tokens_per_s  # the eager line: slower than sync
+    assert ctl.predict(plain, in_loop=True).round_s == pytest.approx(ctl.predict(plain).round_s)
+    assert ctl.decide(current=sync).plan == plain
+    for _ in range(8):  # our loop's plain steps measure as slow as the eager line, twice over
+        ctl.memory.in_loop_plain.add(2 * ctl.model(plain).round_s)
+    assert ctl.predict(plain, in_loop=True).round_s == pytest.approx(2 * ctl.model(plain).round_s)
     assert ctl.decide(current=sync).plan == sync
+
+    eager = Controller(costs(), Memory(), 1, {"mode": ("plain", "sync"), "K": (4,)}, fixed_alpha=0.5)
+    eager.memory.record_round(plain, 0.5 * eager.model(plain).round_s, count=8)  # transformers' loop, measured fast
+    assert eager.predict(plain, in_loop=True).round_s == pytest.approx(eager.model(plain).round_s)
 
 
 def test_a_decisions_shared_work_gives_the_plans_own_predictions():
@@ -1353,7 +1365,8 @@ def test_a_switch_to_uncompiled_shapes_pays_for_their_compiles(monkeypatch):
         assert ctl.compile_s(Plan("plain"), horizon, in_loop=False) == pytest.approx(3.0 * PLAIN_LOOP_PRIOR_GRAPHS)
         record_plain_loop_compile(ctl.target, 21.0)
         assert ctl.compile_s(Plan("plain"), horizon, in_loop=False) == pytest.approx(21.0)
-        assert ctl.compile_s(Plan("plain"), horizon, in_loop=True) == 0.0  # mid-call plain steps run eagerly
+        # plain steps in our loop run the target's one-token graph: one of ours
+        assert ctl.compile_s(Plan("plain"), horizon, in_loop=True) == pytest.approx(3.0)
         # built already in this process (the caller's own compiled generate(), or a bench row's warm-up): free
         ctl.target._compiled_call = torch.compile(ctl.target.__call__)
         assert ctl.compile_s(Plan("plain"), horizon, in_loop=False) == 0.0
@@ -1395,8 +1408,8 @@ def test_graphs_built_on_caches_for_short_prompts_are_built_again_for_a_long_one
 
 def test_the_graphs_each_plan_compiles():
     """control.compiled.plan_graphs: a verify width per K (compiled target); draft widths per K and budget, kept
-    apart for a process worker and an int8 draft (their graphs live elsewhere); plain's compiled loop only at the
-    start of a call."""
+    apart for a process worker and an int8 draft (their graphs live elsewhere); plain's compiled loop when handed
+    off, the target's one-token width in our loop."""
     from hf_ssd.control.compiled import plan_graphs
 
     ssd = Plan("ssd", 3, 8, "thread")
@@ -1409,7 +1422,7 @@ def test_the_graphs_each_plan_compiles():
     assert plan_graphs(Plan("sync", 5), draft=True, target=True) == {("target", 6), ("draft", False, False, 1),
                                                                     ("draft", False, False, 2)}
     assert plan_graphs(Plan("plain"), draft=True, target=True) == {("plain",)}
-    assert plan_graphs(Plan("plain"), draft=True, target=True, in_loop=True) == frozenset()
+    assert plan_graphs(Plan("plain"), draft=True, target=True, in_loop=True) == {("target", 1)}  # our loop's step
 
 
 def test_plain_on_an_unmeasured_alpha_is_explored_and_then_left_alone():

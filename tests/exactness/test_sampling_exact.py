@@ -321,9 +321,10 @@ def test_check_detects_one_percent_bias(models):
     assert accepted_true >= 19, accepted_true
 
 
-def rotating_controller_run(models, monkeypatch, plans: list, seed: int):
+def rotating_controller_run(models, monkeypatch, plans: list, seed: int, in_loop: bool = False):
     """A controller that moves to the next of `plans` at every round (the first to start), on one sampled
-    generate() call over every row: the p-value against the exact law, the stats and the plans decided."""
+    generate() call over every row: the p-value against the exact law, the stats and the plans decided. in_loop:
+    a plain first plan runs in our loop (Controller.plain_in_loop), not handed off to transformers' loop."""
     from hf_ssd.control import controller as ctl_mod
     from hf_ssd.control import drafter as drafter_mod
 
@@ -332,7 +333,7 @@ def rotating_controller_run(models, monkeypatch, plans: list, seed: int):
     def decide(self, current=None, horizon=None):
         plan = plans[0] if current is None else plans[(plans.index(current) + 1) % len(plans)]
         seen.append(plan)
-        return ctl_mod.Decision(plan, "test: rotate", [])
+        return ctl_mod.Decision(plan, "test: rotate", [], in_loop=in_loop)
 
     monkeypatch.setattr(ctl_mod.Controller, "decide", decide)
     monkeypatch.setattr(drafter_mod, "DECIDE_EVERY", 1)
@@ -363,3 +364,13 @@ def test_distribution_exact_while_the_controller_switches_plans_every_round(mode
     pv, s, seen = rotating_controller_run(models, monkeypatch, plans, 29)
     assert pv > ALPHA, (pv, s)
     assert len(s["controller"]["switches"]) >= 2 and {p.mode for p in seen} == {"ssd", "sync", "plain"}
+
+
+def test_distribution_exact_when_a_call_decodes_plain_in_our_loop(models, monkeypatch):
+    """A call whose controller starts plain decoding in our loop (its grouped prefill, then one-token rounds)
+    instead of handing off to transformers' loop, then drafts: the output law stays the target's."""
+    from hf_ssd.control.plan import Plan
+
+    pv, s, seen = rotating_controller_run(models, monkeypatch, [Plan("plain"), Plan("sync", 2)], 37, in_loop=True)
+    assert pv > ALPHA, (pv, s)
+    assert s["rounds"] > 0 and s["controller"]["choice"] == "plain" and seen[0] == Plan("plain")

@@ -8,7 +8,7 @@ import statistics
 from typing import TYPE_CHECKING
 
 from hf_ssd.control.decision import family
-from hf_ssd.control.memory import PLAIN_TAIL_FORESEEN, Memory
+from hf_ssd.control.memory import PLAIN_IN_LOOP_TAIL, PLAIN_TAIL_FORESEEN, Memory
 from hf_ssd.control.learned_line import tree_forwards
 from hf_ssd.control.plan import Plan, predict
 
@@ -157,15 +157,15 @@ def tail_share(memory: Memory, plan: Plan, in_loop: bool = False) -> float:
     tail looked a third faster than sync at batch 4 (the default pair, paper setting, T = 0.7) and took three of six
     calls, at 0.76-0.89x our SD.
 
-    Plain handed off to transformers' loop before it has run there is the exception: its tail is the answers'
-    (rows that end early stay on padding, so every row costs a step to the end), which our loop's calls foresee
-    (memory.foresee_plain_tail); plain steps in our loop (`in_loop`) drop the rows that end, as every plan there
-    does."""
-    tail = memory.tail.get(family(plan))
-    if plan.mode == "plain":
-        if tail is None and not in_loop:
-            tail = memory.tail.get(PLAIN_TAIL_FORESEEN)
+    Plain handed off to transformers' loop is the exception: its tail is the answers' (rows that end early stay on
+    padding, so every row costs a step to the end), measured there, and before it has run there foreseen by our
+    loop's calls (memory.foresee_plain_tail). Plain steps in our loop (`in_loop`) drop the rows that end, as every
+    plan there does: they are priced like a drafting family (Memory.tail[PLAIN_IN_LOOP_TAIL] once they ran a
+    tail)."""
+    if plan.mode == "plain" and not in_loop:
+        tail = memory.tail.get(family(plan)) or memory.tail.get(PLAIN_TAIL_FORESEEN)
         return 1.0 if tail is None else tail.share
+    tail = memory.tail.get(PLAIN_IN_LOOP_TAIL if plan.mode == "plain" else family(plan))
     if tail is not None and tail.seen:
         return tail.share
     seen = [t.share for fam, t in memory.tail.items() if fam.startswith(("sync", "ssd:")) and t.seen]

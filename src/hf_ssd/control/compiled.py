@@ -67,17 +67,18 @@ def graph_seconds(graph: tuple, target, per_graph_s: float) -> float:
 def plan_graphs(plan: Plan, draft: bool, target: bool, in_loop: bool = False,
                 max_length: int | None = None, prompt_len: int = 0) -> frozenset[tuple]:
     """The compiled graphs `plan` runs on: its verify width (a compiled target), its draft widths (a compiled draft:
-    glue K+1, tree N and N+1, single steps; synchronous SD 1 and 2), and for plain at the start of a call,
-    transformers' compiled decode step. A process worker compiles in its own process, so its graphs are told
-    apart; an int8 draft runs eagerly (runtime.static_choice.compilable): no draft graph. Mid-generation plain steps run eagerly (`in_loop`): no graph.
+    glue K+1, tree N and N+1, single steps; synchronous SD 1 and 2), and for plain handed off to transformers' loop,
+    its compiled decode step. A process worker compiles in its own process, so its graphs are told apart; an int8
+    draft runs eagerly (runtime.static_choice.compilable): no draft graph. Plain steps in our loop (`in_loop`: a
+    switch mid-generation, or a call that starts plain in our loop) run the target's one-token width.
 
     max_length: the call's length limit. Our graphs are built per static cache, and a cache is sized for a call's
     length and the plan's tree (runtime.static_kv.static_cache_len), so each graph then also names its cache's
     slots, ("slots", M): a plan whose graphs were built on caches for short prompts compiles them again for a long
     one (`built`). Unaware of that, the controller ran an SSD plan "already compiled" on the short MT-Bench prompts
     on a HumanEval prompt, and that call compiled for 10 s."""
-    if plan.mode == "plain":
-        return frozenset({("plain",)}) if target and not in_loop else frozenset()
+    if plan.mode == "plain" and not (target and in_loop):
+        return frozenset({("plain",)}) if target else frozenset()
 
     def on(slots: int) -> tuple:
         return () if max_length is None else (("slots", slots),)
@@ -85,7 +86,7 @@ def plan_graphs(plan: Plan, draft: bool, target: bool, in_loop: bool = False,
     graphs: set[tuple] = set()
     if target:
         graphs.add(("target", plan.K + 1, *on(static_cache_len(max_length or 0, TARGET_K_MAX, 0))))
-    if draft and not plan.int8:  # an int8 draft runs eagerly (runtime.static_choice.compilable)
+    if draft and plan.mode != "plain" and not plan.int8:  # an int8 draft runs eagerly (static_choice.compilable)
         where = ("draft", plan.int8, plan.worker == "process")
         if plan.mode == "sync":  # runtime.static_choice: room for MAX_K drafts (a retune) and a hole per token
             widths: tuple[int, ...] = (1, 2)

@@ -14,7 +14,7 @@ import torch
 from hf_ssd.control.compiled import compiling_free
 from hf_ssd.control.controller import Controller
 from hf_ssd.control.decision import Decision, Horizon, family, retunable
-from hf_ssd.control.memory import Memory, TailShare
+from hf_ssd.control.memory import PLAIN_IN_LOOP_TAIL, Memory, TailShare
 from hf_ssd.control.plan import Plan
 from hf_ssd.core.ranks import distributed, from_rank0
 from hf_ssd.core.types import SOURCE_CACHE, SOURCE_NGRAM, DraftResult, Speculation, Verdict
@@ -55,7 +55,8 @@ class ControlledDrafter(Drafter):
         # plan's split of the cores starts with its rounds (start()).
         self.caller_threads = torch.get_num_threads()
         self.current = self._build(self.plan)
-        self.new_graphs = controller.mark_compiled(self.plan)  # its start is then not priced (_timed_start)
+        # its start is then not priced (_timed_start); plain in our loop runs the target's one-token graph
+        self.new_graphs = controller.mark_compiled(self.plan, in_loop=self.plan.mode == "plain")
         self.prefill_slower_s = 0.0  # what prepare()'s overlapped start added to the target's prefill (modelled)
         self.retired_forwards = 0
         self.rounds = 0
@@ -233,8 +234,11 @@ class ControlledDrafter(Drafter):
         if self.last_start is not None and not compiled and not self.disturbed():
             seconds = now - self.last_start
             if in_loop_plain:
+                measured = self.memory.in_loop_plain
+                tail = self.memory.tail.setdefault(PLAIN_IN_LOOP_TAIL, TailShare())
+                tail.add(seconds, len(k) / self.controller.batch, measured.value if measured.n else None)
                 if full:
-                    self.memory.in_loop_plain.add(seconds)
+                    measured.add(seconds)
             else:
                 measured = self.memory.round_s.get(self.plan)
                 tail = self.memory.tail.setdefault(family(self.plan), TailShare())

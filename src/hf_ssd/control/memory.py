@@ -419,6 +419,7 @@ def record_plain(memory: Memory, step_s: float, steps: int, rows_share: float = 
 
 
 PLAIN_TAIL_FORESEEN = "plain, foreseen"  # Memory.tail's key for plain's tail as our loop's calls foresee it
+PLAIN_IN_LOOP_TAIL = "plain, in our loop"  # ... and for plain steps' tail in our loop (they drop the rows that end)
 
 
 def foresee_plain_tail(memory: Memory, row_tokens: list[int]) -> None:

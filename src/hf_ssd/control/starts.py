@@ -42,7 +42,7 @@ class StartPricing:
         line, timed on short forwards, may be off by a constant factor)."""
         return self.startup_model(plan, context) * self.memory.startup_ratio(family(plan))
 
-    def target_prefill_s(self, plan: Plan, context: int, share: float = 1.0) -> float:
+    def target_prefill_s(self, plan: Plan, context: int, share: float = 1.0, in_loop: bool = False) -> float:
         """What the target's prefill of `context` prompt columns costs a call starting on `plan` beyond the cheaper
         path's: plain decoding runs it in transformers' loop, a draft plan in ours, which prefills rows of similar
         length together (runtime.prefill: about half the compute of a padded batch of MT-Bench prompts at batch 4).
@@ -57,13 +57,15 @@ class StartPricing:
         first token came after 17 s, our SD's after 8. Only the difference: the share every plan pays would rank
         nothing and, added to every call, would bring slower plans within the explorations' reach
         (control.exploration compares speeds over the call). A plain call that cannot be handed off (a generator
-        given) prefills in our loop but is priced as handed off."""
+        given) prefills in our loop but is priced as handed off; `in_loop`: plain decoding that starts in our loop
+        (Controller.plain_in_loop), which prefills as a draft plan does."""
+        handed_off = plan.mode == "plain" and not in_loop
         plain, engine = self.memory.prefill_column_s("plain"), self.memory.prefill_column_s("engine")
         if not (plain or engine):
             padded = self.costs.target(False)(context)
-            return (1 - min(share, 1.0)) * padded if plan.mode == "plain" else 0.0
+            return (1 - min(share, 1.0)) * padded if handed_off else 0.0
         plain, engine = plain or engine, (engine or plain) * min(share, 1.0)
-        own = plain if plan.mode == "plain" else engine
+        own = plain if handed_off else engine
         return (own - min(plain, engine)) * context
 
     def record_startup(self, plan: Plan, context: int, seconds: float) -> None:

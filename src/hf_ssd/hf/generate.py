@@ -220,6 +220,11 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
     finally:
         if streamer is not None and not handed_off:
             streamer.end()
+    if not handed_off:
+        out = _padded_output(rows.tokens, input_ids, generation_config)
+        probe = stats.plain_probe  # plain in our loop from the start (greedy): α along its answer, if it stayed plain
+        if probe is not None and stats.controller is not None and not stats.controller["switches"]:
+            stats.controller["plain_alpha"] = _measure_plain_alpha(probe, out, input_ids, mask, generation_config)
     if stats.controller_memory is not None and not handed_off and stats.target_prefill_s is not None:
         # per padded column, as plain's: our loop ran only `prefill_share` of them, a share that varies with the
         # batch's padding (a batch of one long and three short prompts 0.44, of similar ones 0.85)
@@ -236,15 +241,7 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
         if not generation_config.return_dict_in_generate:
             return result
         return SSDGenerateOutput(**{k: v for k, v in result.items()}, ssd_stats=summary)
-    pad = generation_config._pad_token_tensor
-    pad_id = int(pad) if pad is not None else 0
     longest = max(len(t) for t in rows.tokens)
-    B, P = input_ids.shape
-    out = torch.full((B, P + longest), pad_id, dtype=input_ids.dtype, device=input_ids.device)
-    out[:, :P] = input_ids
-    for b, toks in enumerate(rows.tokens):
-        if toks:
-            out[b, P:P + len(toks)] = torch.tensor(toks, device=input_ids.device)
     if not generation_config.return_dict_in_generate:
         return out
 
@@ -263,6 +260,20 @@ def _ssd_decode(model, input_ids, logits_processor, stopping_criteria, generatio
         logits=steps(rows.logits) if generation_config.output_logits else None,
         ssd_stats=summary,
     )
+
+
+def _padded_output(tokens: list[list[int]], input_ids: torch.Tensor, generation_config) -> torch.Tensor:
+    """Prompts and each row's generated `tokens`, right-padded with the pad token to the longest row (as
+    transformers' generate() returns a batch)."""
+    pad = generation_config._pad_token_tensor
+    pad_id = int(pad) if pad is not None else 0
+    B, P = input_ids.shape
+    out = torch.full((B, P + max(len(t) for t in tokens)), pad_id, dtype=input_ids.dtype, device=input_ids.device)
+    out[:, :P] = input_ids
+    for b, toks in enumerate(tokens):
+        if toks:
+            out[b, P:P + len(toks)] = torch.tensor(toks, device=input_ids.device)
+    return out
 
 
 def _measure_plain_alpha(probe, sequences, input_ids, mask, generation_config) -> dict:

@@ -115,7 +115,8 @@ def static_draft_cache(model: PreTrainedModel, config, batch: int, max_length: i
 
 
 TARGET_K_MAX = 16  # the target's static cache has room for a round of this many drafts
-VERIFY_WIDTHS = tuple(range(2, TARGET_K_MAX + 2))  # verify blocks of K + 1 tokens: each compiles at its first use
+# verify blocks of K + 1 tokens, and plain decoding's one-token steps in our loop: each compiles at its first use
+VERIFY_WIDTHS = tuple(range(1, TARGET_K_MAX + 2))
 
 
 def static_target_cache(model: PreTrainedModel, batch: int, max_length: int, K_max: int = TARGET_K_MAX
