@@ -112,6 +112,8 @@ def run_session(
     d_device = input_device(draft)
     d_gen = None if greedy else draft_generator(generator, d_device)
 
+    asked_int8 = config.draft_quantize == "int8"  # the caller's: an int8 plan of the controller's warns of nothing
+
     def build(plan: Plan, alpha_prior: float | None = None) -> Drafter:
         """The plan's drafter behind its exact fallback chain (`alpha_prior`: the α its fan-out starts from)."""
         model = quantized_draft(draft, "int8" if plan.int8 else None)
@@ -126,7 +128,8 @@ def run_session(
                                                                   {"alpha_prior": alpha_prior}))
             max_length = generation_config.max_length
             in_process = worker is None and plan_config.worker != "process"  # a process worker builds its own
-            kv = static_draft_cache(model, plan_config, B, max_length, K, plan.budget, vocab) if in_process else None
+            kv = (static_draft_cache(model, plan_config, B, max_length, K, plan.budget, vocab, warn_int8=asked_int8)
+                  if in_process else None)
             process = worker if worker is not None else (pooled if plan.worker == "process" and not plan.int8 else None)
             return make_drafter(plan_config, draft_model(B, config.downweight, kv), stats, plan.budget, greedy, process,
                                 max_length)
@@ -138,7 +141,7 @@ def run_session(
             # room for the controller's largest K, so a switch that only changes K keeps this cache (retune)
             room = max(K, MAX_K)
             kv = static_draft_cache(model, config, B, generation_config.max_length, room, 0, vocab, sync=True,
-                                    prompt_len=input_ids.shape[1])
+                                    prompt_len=input_ids.shape[1], warn_int8=asked_int8)
             return SyncDrafter(draft_model(B, 1.0, kv), K, stats, max_K=room if kv is not None else None)
 
         stats.mode = plan.mode

@@ -67,7 +67,10 @@ def test_our_loops_measured_plain_steps_price_it():
     ctl = plain_only()
     for _ in range(8):
         ctl.memory.in_loop_plain.add(0.2)
-    assert not ctl.decide(horizon=Horizon(64, 300, prefill_share=0.4)).in_loop
+    decision = ctl.decide(horizon=Horizon(64, 300, prefill_share=0.4))
+    assert not decision.in_loop
+    parts = decision.table[0].parts  # the hand-off's record says what our loop was priced at
+    assert parts["in_our_loop_round_s"] == pytest.approx(0.2) and parts["in_our_loop_call_tok_s"] < 4 / 0.2
 
 
 def test_plain_in_our_loop_runs_the_compiled_one_token_graph():

@@ -65,3 +65,21 @@ def test_an_int8_plan_has_no_draft_graphs_to_compile():
         assert any(g[0] == "draft" for g in float_graphs)
         assert [g for g in int8_graphs if g[0] == "draft"] == []
         assert {g for g in int8_graphs if g[0] == "target"} == {g for g in float_graphs if g[0] == "target"}
+
+
+def test_compile_with_an_int8_plan_the_controller_chose_warns_nothing(pair, monkeypatch):
+    """ssd_compile=True and no ssd_draft_quantize: where the controller runs its int8 copy of the draft (which it
+    charges no compile), nothing tells the user to change an option they did not set."""
+    from hf_ssd.control import controller as ctl_mod
+
+    monkeypatch.setattr(ctl_mod.Controller, "decide", lambda self, current=None, horizon=None: ctl_mod.Decision(
+        Plan("sync", 3, int8=True), "test: int8", []))
+    target, draft = pair
+    ids = prompt(12).reshape(1, -1)
+    want = plain_generate(target, ids, max_new_tokens=16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = ssd_generate(target, draft, ids, max_new_tokens=16, ssd_mode="auto", ssd_num_draft_tokens=None,
+                           ssd_budget=None, ssd_compile=True)
+    assert torch.equal(got, want)
+    assert not [str(w.message) for w in caught if "int8 draft runs eagerly" in str(w.message)]

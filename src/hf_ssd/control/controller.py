@@ -308,9 +308,14 @@ class Controller(StartPricing):
             if current is None:  # plain is ranked by the faster of its two loops
                 handed_off = next((p for p in preds if p.plan.mode == "plain"), None)
                 loop = None if handed_off is None else self.plain_in_loop(handed_off, horizon)
-                if loop is not None:
+                if loop is not None and loop.call_tokens_per_s >= IN_LOOP_GAIN * handed_off.call_tokens_per_s:
                     preds = [loop if p is handed_off else p for p in preds]
                     loop.parts["handed_off_call_tok_s"] = handed_off.call_tokens_per_s
+                elif loop is not None:  # the record shows what the other loop was priced at
+                    handed_off.parts = {**handed_off.parts, "in_our_loop_call_tok_s": loop.call_tokens_per_s,
+                                        "in_our_loop_round_s": loop.round_s,
+                                        "in_our_loop_compile_s": loop.parts.get("compile", 0.0)}
+                    loop = None
         decision = self._choose(preds, current, full)
         if loop is not None and decision.plan.mode == "plain" and decision.choice is None:  # not a look at the loop
             decision.in_loop = True
@@ -359,10 +364,10 @@ class Controller(StartPricing):
                                          f"the {SWITCH_GAIN:.2f}x needed to switch", preds[:6], drafting)
         return Decision(best.plan, self.explain(best, preds), preds[:6], drafting)
 
-    def plain_in_loop(self, handed_off: Prediction, horizon: Horizon) -> Prediction | None:
-        """Plain decoding in our loop from the call's start, priced over the call, where it is predicted
-        IN_LOOP_GAIN faster than `handed_off` (plain in transformers' loop, priced over the call); else None. A
-        call's start ranks plain by the faster of the two (and says so in its reason).
+    def plain_in_loop(self, handed_off: Prediction, horizon: Horizon) -> Prediction:
+        """Plain decoding in our loop from the call's start, priced over the call (`handed_off`: plain in
+        transformers' loop). A call's start ranks plain by this where it is predicted IN_LOOP_GAIN faster than the
+        hand-off, and says so in its reason.
 
         A plain call hands off to transformers' loop, which prefills the padded batch in one forward; ours prefills
         rows of similar length together (runtime.prefill) and, on a compiled target, runs its one-token graph. At
@@ -376,7 +381,7 @@ class Controller(StartPricing):
         compiling = self.compile_s(plan, horizon, in_loop=True)
         pred.startup_s = prefill + compiling
         pred.parts = {**pred.parts, "prefill": prefill, **({"compile": compiling} if compiling > 0 else {})}
-        return pred if pred.call_tokens_per_s >= IN_LOOP_GAIN * handed_off.call_tokens_per_s else None
+        return pred
 
     def _price_call(self, pred: Prediction, horizon: Horizon, current: Plan | None) -> None:
         """Give `pred` what is left of the call (`horizon`) and, unless it is the running plan (`current`), what

@@ -71,7 +71,7 @@ def sync_sequence_len(max_length: int, prompt_len: int = 0) -> int:
 
 def static_draft_cache(model: PreTrainedModel, config, batch: int, max_length: int, K: int, budget: int,
                        vocab_size: int, sync: bool = False, progress: bool = False,
-                       prompt_len: int = 0) -> StaticCachedModel | None:
+                       prompt_len: int = 0, warn_int8: bool = True) -> StaticCachedModel | None:
     """The draft cache `config.compile` asks for: a StaticCachedModel (compiled or not), or None for the dynamic
     `CachedModel` (compile off, offloaded models, absurd lengths, unsupported models). With the process worker the
     child builds it, on its own copy of the model (workers.process).
@@ -86,7 +86,7 @@ def static_draft_cache(model: PreTrainedModel, config, batch: int, max_length: i
     if mode is False:
         return None
     if not compilable(model):
-        if mode is True:
+        if mode is True and warn_int8:  # not where the controller chose the int8 copy: it charges it no compile
             warnings.warn("hf_ssd: ssd_compile: the int8 draft runs eagerly (torch.compile cannot trace torch.ao's "
                           "dynamic int8 Linears); pass ssd_draft_quantize=None to compile the draft.", RuntimeWarning,
                           stacklevel=2)
