@@ -44,16 +44,20 @@ def test_static_caches_refuse_an_int8_model_saying_why(pair):
         assert static_target_cache(int8, 1, 64) is None
 
 
-def test_compile_with_an_int8_draft_is_exact_and_warns_once_without_failed_compiles(pair):
+def exact_saying(pair, **options) -> list[str]:
+    """What hf_ssd warned while generating 16 tokens with `options` (the output checked against plain generate())."""
     target, draft = pair
     ids = prompt(12).reshape(1, -1)
     want = plain_generate(target, ids, max_new_tokens=16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = ssd_generate(target, draft, ids, max_new_tokens=16, ssd_mode="sync", ssd_compile=True,
-                           ssd_num_draft_tokens=3, ssd_draft_quantize="int8")
+        got = ssd_generate(target, draft, ids, max_new_tokens=16, ssd_compile=True, **options)
     assert torch.equal(got, want)
-    said = [str(w.message) for w in caught if "hf_ssd" in str(w.message)]
+    return [str(w.message) for w in caught if "hf_ssd" in str(w.message)]
+
+
+def test_compile_with_an_int8_draft_is_exact_and_warns_once_without_failed_compiles(pair):
+    said = exact_saying(pair, ssd_mode="sync", ssd_num_draft_tokens=3, ssd_draft_quantize="int8")
     assert not any("failed" in m for m in said), said
     assert sum("int8 draft runs eagerly" in m for m in said) == 1, said
 
@@ -74,12 +78,5 @@ def test_compile_with_an_int8_plan_the_controller_chose_warns_nothing(pair, monk
 
     monkeypatch.setattr(ctl_mod.Controller, "decide", lambda self, current=None, horizon=None: ctl_mod.Decision(
         Plan("sync", 3, int8=True), "test: int8", []))
-    target, draft = pair
-    ids = prompt(12).reshape(1, -1)
-    want = plain_generate(target, ids, max_new_tokens=16)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got = ssd_generate(target, draft, ids, max_new_tokens=16, ssd_mode="auto", ssd_num_draft_tokens=None,
-                           ssd_budget=None, ssd_compile=True)
-    assert torch.equal(got, want)
-    assert not [str(w.message) for w in caught if "int8 draft runs eagerly" in str(w.message)]
+    said = exact_saying(pair, ssd_mode="auto", ssd_num_draft_tokens=None, ssd_budget=None)
+    assert not [m for m in said if "int8 draft runs eagerly" in m], said
