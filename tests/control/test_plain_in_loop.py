@@ -1,4 +1,4 @@
-"""Plain decoding in our loop from a call's start (Controller.plain_in_loop): where a padded batch makes
+"""Plain decoding in our loop from a call's start (control.plain_loop): where a padded batch makes
 transformers' prefill dear, a call that decodes plain runs our loop's grouped prefill and one-token rounds instead
 of handing off; the output is plain generate()'s."""
 from __future__ import annotations

@@ -324,7 +324,7 @@ def test_check_detects_one_percent_bias(models):
 def rotating_controller_run(models, monkeypatch, plans: list, seed: int, in_loop: bool = False):
     """A controller that moves to the next of `plans` at every round (the first to start), on one sampled
     generate() call over every row: the p-value against the exact law, the stats and the plans decided. in_loop:
-    a plain first plan runs in our loop (Controller.plain_in_loop), not handed off to transformers' loop."""
+    a plain first plan runs in our loop (control.plain_loop), not handed off to transformers' loop."""
     from hf_ssd.control import controller as ctl_mod
     from hf_ssd.control import drafter as drafter_mod
 

@@ -24,6 +24,7 @@ from hf_ssd.control.exploration import (alpha_exploration, family_exploration, n
 from hf_ssd.control.gc_quiet import collections_paused
 from hf_ssd.control.learned_line import LearnedLine, measured_parts, tree_forwards
 from hf_ssd.control.memory import Memory, Tally, Yield
+from hf_ssd.control.plain_loop import faster_plain_loop, in_our_loop
 from hf_ssd.control.plan import (MAX_K, Acceptance, Plan, Prediction, Served, candidates, modelled_hit_rate, predict,
                                  verify_s)
 from hf_ssd.control.shortlist import candidates_key, make_shortlist
@@ -34,10 +35,6 @@ from hf_ssd.runtime import static_registry
 
 SWITCH_GAIN = 1.10  # switch mid-generation only for a predicted gain of 10% or more (timings are noisy)
 SIMPLER_WITHIN = 0.97  # prefer the simpler plan when the fancier one is predicted less than 3% faster
-# A call that decodes plain hands off to transformers' loop (plain generate() itself) unless plain steps in our loop
-# are predicted this much faster over the call: they skip most of a padded batch's prefill (runtime.prefill) but add
-# our per-round work, which the price knows only once such steps have run (Memory.in_loop_plain).
-IN_LOOP_GAIN = 1.03
 CALL_ALPHA_WEIGHT = 8.0  # pseudo-observations of the setting's pooled α behind a call's own (Controller.acceptance)
 # A switch to plain mid-call is priced against the running plan at α this many posterior deviations above the call's
 # estimate (Controller._doubt): it lasts the rest of the call, so it waits for rounds that rule drafting out.
@@ -252,7 +249,7 @@ class Controller(StartPricing):
         from the acceptance model at this call's α, times its mode's measured yield.
 
         in_loop: plain runs as one-token rounds of our loop (a switch mid-generation, or a call that starts plain
-        there: plain_in_loop), not as transformers' own loop (what plain's measurements and its compiled calibration
+        there: control.plain_loop), not as transformers' own loop (what plain's measurements and its compiled calibration
         are of): with our per-round work, so it is priced at the hand-off's price or at what such steps measured here
         where they have run (Memory.in_loop_plain), whichever is slower, and with an eager target at least at the
         eager cost line. Priced like a hand-off, a compiled target's eager one-token steps (before they were
@@ -306,24 +303,9 @@ class Controller(StartPricing):
             for pred in preds:
                 self._price_call(pred, horizon, current)
             if current is None:  # plain is ranked by the faster of its two loops
-                handed_off = next((p for p in preds if p.plan.mode == "plain"), None)
-                loop = None if handed_off is None else self.plain_in_loop(handed_off, horizon)
-                if loop is not None and loop.call_tokens_per_s >= IN_LOOP_GAIN * handed_off.call_tokens_per_s:
-                    preds = [loop if p is handed_off else p for p in preds]
-                    loop.parts["handed_off_call_tok_s"] = handed_off.call_tokens_per_s
-                elif loop is not None:  # the record shows what the other loop was priced at
-                    handed_off.parts = {**handed_off.parts, "in_our_loop_call_tok_s": loop.call_tokens_per_s,
-                                        "in_our_loop_round_s": loop.round_s,
-                                        "in_our_loop_compile_s": loop.parts.get("compile", 0.0)}
-                    loop = None
+                preds, loop = faster_plain_loop(self, preds, horizon)
         decision = self._choose(preds, current, full)
-        if loop is not None and decision.plan.mode == "plain" and decision.choice is None:  # not a look at the loop
-            decision.in_loop = True
-            decision.reason = (f"plain in our loop: {loop.call_tokens_per_s:.2f} tok/s over this call with its "
-                               f"prefill ({loop.startup_s:.1f} s), against "
-                               f"{loop.parts['handed_off_call_tok_s']:.2f} handed off to transformers' loop; "
-                               f"{decision.reason}")
-        return decision
+        return decision if loop is None else in_our_loop(decision, loop)
 
     def _choose(self, preds: list[Prediction], current: Plan | None, full: bool) -> Decision:
         ran = self._families_ran()
@@ -363,25 +345,6 @@ class Controller(StartPricing):
                                          f"{best.call_tokens_per_s / max(now.call_tokens_per_s, 1e-9):.2f}x, under "
                                          f"the {SWITCH_GAIN:.2f}x needed to switch", preds[:6], drafting)
         return Decision(best.plan, self.explain(best, preds), preds[:6], drafting)
-
-    def plain_in_loop(self, handed_off: Prediction, horizon: Horizon) -> Prediction:
-        """Plain decoding in our loop from the call's start, priced over the call (`handed_off`: plain in
-        transformers' loop). A call's start ranks plain by this where it is predicted IN_LOOP_GAIN faster than the
-        hand-off, and says so in its reason.
-
-        A plain call hands off to transformers' loop, which prefills the padded batch in one forward; ours prefills
-        rows of similar length together (runtime.prefill) and, on a compiled target, runs its one-token graph. At
-        batch 16 on the compiled overhead workload the hand-off's padded prefill took 0.6-0.7 s against 0.1 s in our
-        loop, so `ssd=True` ran synchronous SD (its rounds 0.77x compiled plain decoding) to avoid it, and on the
-        default pair a padded prefill of 16 MT-Bench prompts took 81 s against 29 s in our loop."""
-        plan = handed_off.plan
-        pred = self.predict(plan, aged=True, in_loop=True)
-        pred.horizon = horizon.tokens * self.batch
-        prefill = self.target_prefill_s(plan, horizon.context, horizon.prefill_share, in_loop=True)
-        compiling = self.compile_s(plan, horizon, in_loop=True)
-        pred.startup_s = prefill + compiling
-        pred.parts = {**pred.parts, "prefill": prefill, **({"compile": compiling} if compiling > 0 else {})}
-        return pred
 
     def _price_call(self, pred: Prediction, horizon: Horizon, current: Plan | None) -> None:
         """Give `pred` what is left of the call (`horizon`) and, unless it is the running plan (`current`), what

@@ -26,7 +26,7 @@ class Decision:
     table: list[Prediction]  # the best few alternatives, fastest first
     drafting: Prediction | None = None  # the fastest drafting plan (sync or SSD), whatever was chosen
     choice: Plan | None = None  # an exploration's: the plan it displaced (what the controller would run otherwise)
-    in_loop: bool = False  # plain decoding run in our loop from the call's start, not handed off (plain_in_loop)
+    in_loop: bool = False  # plain decoding run in our loop from the call's start, not handed off (control.plain_loop)
 
     @property
     def chosen(self) -> Plan:

@@ -58,7 +58,7 @@ class StartPricing:
         nothing and, added to every call, would bring slower plans within the explorations' reach
         (control.exploration compares speeds over the call). A plain call that cannot be handed off (a generator
         given) prefills in our loop but is priced as handed off; `in_loop`: plain decoding that starts in our loop
-        (Controller.plain_in_loop), which prefills as a draft plan does."""
+        (control.plain_loop), which prefills as a draft plan does."""
         handed_off = plan.mode == "plain" and not in_loop
         plain, engine = self.memory.prefill_column_s("plain"), self.memory.prefill_column_s("engine")
         if not (plain or engine):
